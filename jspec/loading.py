@@ -1,0 +1,152 @@
+"""Load a Qwen3 model from a Hugging Face directory or a jspec (Orbax) directory.
+
+Hugging Face: headers are checked first (every expected tensor present, nothing extra, every
+shape right) before any weight is read; then tensors stream one at a time from disk to the
+device, so the host never holds more than one tensor. jspec directories restore straight onto
+the device through Orbax.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jspec.config import ConfigError, Qwen3Config
+from jspec.convert.safetensors_reader import CheckpointError, index_checkpoint, read_tensor
+from jspec.qwen3 import Qwen3, abstract_model, checkpoint_shapes
+
+JSPEC_MARKER = "jspec.json"  # present in directories written by `jspec convert`
+ORBAX_SUBDIR = "weights"
+
+
+def is_jspec_dir(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / JSPEC_MARKER).is_file()
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ConfigError(f"model directory {str(model_dir)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{str(model_dir)!r} is not a model directory (no config.json)")
+    return path
+
+
+def _progress(iterable, total, desc, enabled):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+    return tqdm(iterable, total=total, desc=desc, unit="tensor")
+
+
+def _set_path(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _get_path(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def load_hf_weights(model_dir: str | Path, cfg: Qwen3Config, *, progress: bool = False,
+                    device: jax.Device | None = None) -> Qwen3:
+    """Stream a safetensors checkpoint into a Qwen3 module on `device` (default: the first)."""
+    model_dir = Path(model_dir)
+    expected = checkpoint_shapes(cfg)
+    infos = index_checkpoint(model_dir)
+    # A tied checkpoint may still carry lm_head.weight; it must then equal the embedding.
+    tied_head = cfg.tie_word_embeddings and "lm_head.weight" in infos
+    missing = sorted(set(expected) - set(infos))
+    extra = sorted(set(infos) - set(expected) - ({"lm_head.weight"} if tied_head else set()))
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensor(s) {_names(missing)}")
+    if extra:
+        raise CheckpointError(f"{model_dir}: unexpected tensor(s) {_names(extra)} "
+                              "(not part of this Qwen3 config)")
+    for name, (shape, _) in expected.items():
+        if tuple(infos[name].shape) != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {list(infos[name].shape)}, "
+                                  f"expected {list(shape)} for this config")
+    if tied_head and tuple(infos["lm_head.weight"].shape) != expected["model.embed_tokens.weight"][0]:
+        raise CheckpointError("tensor 'lm_head.weight' of a tied checkpoint has the wrong shape")
+
+    device = device or jax.devices()[0]
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    params = nnx.to_pure_dict(abstract_state)
+    # File and offset order: sequential reads through each shard.
+    order = sorted(expected, key=lambda n: (str(infos[n].file), infos[n].begin))
+    for name in _progress(order, len(order), "loading", progress):
+        path = expected[name][1]
+        target = _get_path(params, path)
+        host = read_tensor(infos[name]).reshape(target.shape)
+        value = jax.device_put(host, device)
+        del host  # one tensor on the host at a time
+        if value.dtype != target.dtype:
+            value = value.astype(target.dtype)
+        _set_path(params, path, value)
+    if tied_head:
+        head = jax.device_put(read_tensor(infos["lm_head.weight"]), device).astype(cfg.dtype)
+        if not bool(jnp.array_equal(head, params["embed_tokens"])):
+            raise CheckpointError("tied config, but 'lm_head.weight' differs from "
+                                  "'model.embed_tokens.weight'")
+    nnx.replace_by_pure_dict(abstract_state, params)
+    return nnx.merge(graphdef, abstract_state)
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# ---- Orbax (jspec directories) ----------------------------------------------------------------
+
+def save_orbax(model: Qwen3, path: Path) -> None:
+    import orbax.checkpoint as ocp
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(Path(path).absolute(), params)
+    checkpointer.wait_until_finished()
+
+
+def load_orbax(path: Path, cfg: Qwen3Config, device: jax.Device | None = None) -> Qwen3:
+    import orbax.checkpoint as ocp
+    device = device or jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                          nnx.to_pure_dict(abstract_state))
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        params = checkpointer.restore(Path(path).absolute(), target)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: the Orbax checkpoint does not match config.json: {e}") from None
+    nnx.replace_by_pure_dict(abstract_state, params)
+    return nnx.merge(graphdef, abstract_state)
+
+
+# ---- One entry point --------------------------------------------------------------------------
+
+def load_model(model_dir: str | Path, *, dtype: str | None = None, progress: bool = False
+               ) -> tuple[Qwen3Config, Qwen3]:
+    """Load a Qwen3 target from a Hugging Face or jspec directory onto the default device."""
+    path = check_model_dir(model_dir)
+    cfg = Qwen3Config.from_dir(path, dtype=dtype)
+    if is_jspec_dir(path):
+        marker = json.loads((path / JSPEC_MARKER).read_text())
+        if dtype and dtype != marker.get("dtype"):
+            raise ConfigError(f"{path} was converted to {marker.get('dtype')}; "
+                              f"dtype {dtype!r} needs a conversion from the original weights")
+        return cfg, load_orbax(path / ORBAX_SUBDIR, cfg)
+    return cfg, load_hf_weights(path, cfg, progress=progress)
+
+
+def to_numpy_tree(model: Qwen3) -> dict:
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))

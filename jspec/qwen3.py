@@ -1,0 +1,230 @@
+"""Qwen3 dense decoder in Flax NNX.
+
+Weights keep Hugging Face's layouts up to free reshapes (no host transposes at load):
+  embed_tokens [V, D]            lm_head [V, D] (absent when tied: embed_tokens is reused)
+  q_proj [Hq, hd, D]             k_proj / v_proj [Hkv, hd, D]       o_proj [D, Hq, hd]
+  gate_proj / up_proj [F, D]     down_proj [D, F]                   norms [D] / q_norm, k_norm [hd]
+Parameter paths mirror the checkpoint keys ("model.layers.3.self_attn.q_proj.weight" is
+layers[3].self_attn.q_proj), so the key map is a rename, and every layer owns its own buffers
+(measured on the H200: slicing layers out of stacked weights inside a scan halved decode speed).
+
+Attention is injected: the model computes q/k/v (with q/k RMSNorm and RoPE) and hands them to an
+`attention(layer_idx, q, k, v, cache) -> (out, cache)` callable. The dense causal version below
+serves tests and simple use; the paged engine passes its own. Tokens are [B, T] throughout; the
+paged engine flattens ragged batches to B = 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.config import Qwen3Config
+
+Array = jax.Array
+# attention(layer_idx, q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], layer_cache) -> (out [B,T,Hq,hd], layer_cache)
+AttentionFn = Callable[[int, Array, Array, Array, Any], tuple[Array, Any]]
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Qwen3's RMSNorm: normalise in fp32, cast back, then scale (the order transformers uses)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        x_f32 = x.astype(jnp.float32)
+        x_f32 = x_f32 * jax.lax.rsqrt(jnp.mean(x_f32 * x_f32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x_f32.astype(x.dtype)
+
+
+def apply_rope(x_bthk: Array, positions_bt: Array, theta: float) -> Array:
+    """Rotate-half RoPE (Hugging Face convention), computed in fp32."""
+    head_dim = x_bthk.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    cos = jnp.cos(angles_btf)[:, :, None, :]
+    sin = jnp.sin(angles_btf)[:, :, None, :]
+    x = x_bthk.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_bthk.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
+        D, Hq, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nnx.Param(_normal(rngs, (Hq, hd, D), dtype))
+        self.k_proj = nnx.Param(_normal(rngs, (Hkv, hd, D), dtype))
+        self.v_proj = nnx.Param(_normal(rngs, (Hkv, hd, D), dtype))
+        self.o_proj = nnx.Param(_normal(rngs, (D, Hq, hd), dtype))
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        self.rope_theta = cfg.rope_theta
+
+    def qkv(self, x_btd: Array, positions_bt: Array) -> tuple[Array, Array, Array]:
+        q = self.q_norm(jnp.einsum("btd,hkd->bthk", x_btd, self.q_proj[...]))
+        k = self.k_norm(jnp.einsum("btd,hkd->bthk", x_btd, self.k_proj[...]))
+        v = jnp.einsum("btd,hkd->bthk", x_btd, self.v_proj[...])
+        return (apply_rope(q, positions_bt, self.rope_theta),
+                apply_rope(k, positions_bt, self.rope_theta), v)
+
+    def out(self, attn_bthk: Array) -> Array:
+        return jnp.einsum("bthk,dhk->btd", attn_bthk, self.o_proj[...])
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nnx.Param(_normal(rngs, (F, D), dtype))
+        self.up_proj = nnx.Param(_normal(rngs, (F, D), dtype))
+        self.down_proj = nnx.Param(_normal(rngs, (D, F), dtype))
+
+    def __call__(self, x_btd: Array) -> Array:
+        gate_btf = jnp.einsum("btd,fd->btf", x_btd, self.gate_proj[...])
+        up_btf = jnp.einsum("btd,fd->btf", x_btd, self.up_proj[...])
+        return jnp.einsum("btf,df->btd", jax.nn.silu(gate_btf) * up_btf, self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, layer_idx: int, x_btd: Array, positions_bt: Array, attention: AttentionFn,
+                 cache: Any) -> tuple[Array, Any]:
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x_btd), positions_bt)
+        attn_bthk, cache = attention(layer_idx, q, k, v, cache)
+        x_btd = x_btd + self.self_attn.out(attn_bthk.astype(x_btd.dtype))
+        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+        return x_btd, cache
+
+
+class Qwen3(nnx.Module):
+    """The Qwen3 causal LM. `__call__` returns final-normed hidden states, the requested taps and
+    the updated caches; `logits` projects hidden states on the vocabulary (done separately so a
+    prefill can project only the positions it samples from)."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.dtype)
+        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+
+    def embed(self, tokens_bt: Array) -> Array:
+        return jnp.take(self.embed_tokens[...], tokens_bt, axis=0)
+
+    def head_weight(self) -> Array:
+        """[V, D]: lm_head, or the embedding when tied (shared, never copied)."""
+        return self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+    def logits(self, hidden_btd: Array) -> Array:
+        return jnp.einsum("...d,vd->...v", hidden_btd, self.head_weight(),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_bt: Array, positions_bt: Array, *, attention: AttentionFn,
+                 caches: Sequence[Any] | None = None, tap_layers: Sequence[int] = ()
+                 ) -> tuple[Array, list[Array], list[Any]]:
+        """Returns (final-normed hidden [B,T,D], taps: raw outputs of `tap_layers` in the given
+        order (layer i's output == transformers' hidden_states[i+1]), new caches)."""
+        for i in tap_layers:
+            if not 0 <= i < self.cfg.num_layers:
+                raise ValueError(f"tap layer {i} is outside the target's {self.cfg.num_layers} layers")
+        x_btd = self.embed(tokens_bt)
+        outputs: dict[int, Array] = {}
+        new_caches = []
+        for i, layer in enumerate(self.layers):
+            x_btd, cache = layer(i, x_btd, positions_bt, attention, caches[i] if caches else None)
+            new_caches.append(cache)
+            outputs[i] = x_btd
+        taps = [outputs[i] for i in tap_layers]
+        return self.norm(x_btd), taps, new_caches
+
+
+# ---- Dense causal attention (no cache): the simple path and the test oracle's twin ---------
+
+def dense_attention(q_bthk: Array, k_bshk: Array, v_bshk: Array, mask_bts: Array) -> Array:
+    """GQA attention over dense keys; mask_bts True where query t may see key s. fp32 softmax."""
+    B, T, Hq, hd = q_bthk.shape
+    Hkv = k_bshk.shape[2]
+    q_btkgh = q_bthk.reshape(B, T, Hkv, Hq // Hkv, hd)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bshk,
+                        preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(mask_bts[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bshk.dtype), v_bshk,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(B, T, Hq, hd).astype(q_bthk.dtype)
+
+
+def causal_attention(valid_bt: Array | None = None) -> AttentionFn:
+    """Causal attention within the given tokens; `valid_bt` masks right padding keys."""
+
+    def attend(layer_idx, q, k, v, cache):
+        T = q.shape[1]
+        mask = jnp.tril(jnp.ones((T, T), bool))[None]
+        if valid_bt is not None:
+            mask = mask & valid_bt[:, None, :]
+        return dense_attention(q, k, v, mask), cache
+
+    return attend
+
+
+def forward_logits(model: Qwen3, tokens_bt: Array, tap_layers: Sequence[int] = ()):
+    """Full causal forward without a cache: logits [B,T,V] (fp32) and taps."""
+    T = tokens_bt.shape[1]
+    positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_bt.shape)
+    hidden, taps, _ = model(tokens_bt, positions_bt, attention=causal_attention(),
+                            tap_layers=tap_layers)
+    return model.logits(hidden), taps
+
+
+def init_random(cfg: Qwen3Config, seed: int = 0) -> Qwen3:
+    return Qwen3(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: Qwen3Config) -> Qwen3:
+    """The module tree with ShapeDtypeStructs instead of arrays: no memory is allocated."""
+    return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+
+
+def checkpoint_shapes(cfg: Qwen3Config) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Every Hugging Face checkpoint key -> (its shape in the checkpoint, the jspec param path).
+
+    jspec's layouts are free reshapes of these shapes, so loading is rename + reshape."""
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    keys = {"model.embed_tokens.weight": ((V, D), ("embed_tokens",)),
+            "model.norm.weight": ((D,), ("norm", "weight"))}
+    if not cfg.tie_word_embeddings:
+        keys["lm_head.weight"] = ((V, D), ("lm_head",))
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = ("layers", i)
+        keys.update({
+            p + "input_layernorm.weight": ((D,), layer + ("input_layernorm", "weight")),
+            p + "post_attention_layernorm.weight": ((D,), layer + ("post_attention_layernorm", "weight")),
+            p + "self_attn.q_proj.weight": ((Hq * hd, D), layer + ("self_attn", "q_proj")),
+            p + "self_attn.k_proj.weight": ((Hkv * hd, D), layer + ("self_attn", "k_proj")),
+            p + "self_attn.v_proj.weight": ((Hkv * hd, D), layer + ("self_attn", "v_proj")),
+            p + "self_attn.o_proj.weight": ((D, Hq * hd), layer + ("self_attn", "o_proj")),
+            p + "self_attn.q_norm.weight": ((hd,), layer + ("self_attn", "q_norm", "weight")),
+            p + "self_attn.k_norm.weight": ((hd,), layer + ("self_attn", "k_norm", "weight")),
+            p + "mlp.gate_proj.weight": ((F, D), layer + ("mlp", "gate_proj")),
+            p + "mlp.up_proj.weight": ((F, D), layer + ("mlp", "up_proj")),
+            p + "mlp.down_proj.weight": ((D, F), layer + ("mlp", "down_proj")),
+        })
+    return keys
