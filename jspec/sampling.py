@@ -1,0 +1,334 @@
+"""Device-side sampling: one processing law for target and drafter, per-request keys.
+
+Everything here is pure `jax.random` + `jax.numpy`, jit-able, and takes the per-lane sampling
+parameters as *arrays* (`SamplingArrays`), never as static arguments: changing a request's
+temperature / top-k / top-p / seed never recompiles.
+
+The processed distribution (`processed_logprobs`), exactly:
+
+  1. x = logits.astype(f32) / T                     (T = the lane's temperature)
+  2. top-k (k > 0 and k < V): keep v iff x_v >= t_k, where t_k is the k-th largest value of x
+     counted with multiplicity. Ties at t_k are all kept, so more than k tokens may survive
+     (same rule as HF `TopKLogitsWarper` / vLLM). -0.0 and +0.0 count as equal.
+  3. top-p (0 < top_p < 1): pi = softmax(x restricted to the top-k survivors) in fp32. Keep v iff
+     pi_v >= tau, where tau is the largest float with  sum_{w: pi_w >= tau} pi_w >= top_p  (the sum
+     is an fp32 reduction over the vocabulary). In words: sort pi descending, take the shortest
+     prefix whose mass reaches top_p, then also keep every token whose fp32 pi equals the last
+     one in that prefix (ties kept, as for top-k). The argmax always survives (tau is clamped to
+     max pi), so top_p -> 0 means "argmax and its ties".
+  4. renormalise: log-softmax over the survivors; filtered tokens get exactly -inf.
+  5. greedy lanes (temperature <= SAMPLING_EPS): one-hot at argmax(logits), i.e. log-prob 0 at
+     the argmax and -inf elsewhere; top-k / top-p are ignored. Ties in the argmax go to the
+     lowest token id (`jnp.argmax`).
+
+How it is computed without a sort: both thresholds are found by a bitwise binary search over
+float32 bit patterns (the tpu-inference / T5X trick). For top-k the search runs over the
+order-preserving uint32 image of x and counts `key >= candidate` (32 vocab passes); for top-p it
+runs over the bits of pi in [0, 1] (non-negative floats order like their int32 bits) and sums
+the mass above the candidate (30 vocab passes). Each pass is one fused compare+reduce over
+[..., V]; there is no sort, gather or scatter. Each search is skipped with `lax.cond` when no
+lane in the batch uses that filter, so plain temperature sampling costs one log-softmax.
+
+Randomness: every draw uses a key derived from the request's seed, the absolute position of
+the token it concerns, and a small purpose tag (`token_key`). A request's tokens therefore never
+depend on its lane index or on what else is batched with it, and a key is never shared between
+two different kinds of draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+SAMPLING_EPS = 1e-5  # temperature at or below this means greedy (DeepSpec / vLLM use the same)
+
+# Purpose tags folded into the key together with the absolute token position.
+PURPOSE_SAMPLE = 0  # plain (non-speculative) decode of the token at `position`
+PURPOSE_DRAFT = 1  # the drafter's proposal for the token at `position`
+PURPOSE_ACCEPT = 2  # the acceptance uniform of the draft at `position`
+PURPOSE_RESIDUAL = 3  # the verifier's own token at `position`: residual or bonus
+
+_MAX_SEED = 2**32
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-lane parameters
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_k", "top_p", "greedy", "seed"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-lane sampling parameters; a pytree of [B] arrays (never static)."""
+
+    temperature: Any  # [B] f32; only meaningful where not greedy
+    top_k: Any  # [B] i32; 0 = off
+    top_p: Any  # [B] f32; 1.0 = off
+    greedy: Any  # [B] bool; temperature <= SAMPLING_EPS
+    seed: Any  # [B] u32; the request's seed
+
+    @property
+    def num_lanes(self) -> int:
+        return int(np.shape(self.temperature)[0])
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int | None] | None = None,
+        top_p: Sequence[float | None] | None = None,
+        seed: Sequence[int | None] | None = None,
+    ) -> "SamplingArrays":
+        """Host-side (numpy) arrays for B lanes, validated.
+
+        None (for a whole list or one entry) means "off" for top_k / top_p. A None seed draws a
+        fresh random seed on the host, so unseeded requests do not all share one stream; pass
+        explicit seeds for reproducible output.
+        """
+        temperature = [float(t) for t in temperature]
+        num_lanes = len(temperature)
+
+        def per_lane(values, name):
+            values = [None] * num_lanes if values is None else list(values)
+            if len(values) != num_lanes:
+                raise ValueError(f"{name} has {len(values)} entries, temperature has {num_lanes}")
+            return values
+
+        top_k = [0 if k is None else k for k in per_lane(top_k, "top_k")]
+        top_p = [1.0 if p is None else float(p) for p in per_lane(top_p, "top_p")]
+        seeds = per_lane(seed, "seed")
+        fresh = np.random.default_rng()
+        seeds = [int(fresh.integers(_MAX_SEED)) if s is None else s for s in seeds]
+        for lane, (t, k, p, s) in enumerate(zip(temperature, top_k, top_p, seeds)):
+            if not (np.isfinite(t) and t >= 0.0):
+                raise ValueError(f"lane {lane}: temperature must be finite and >= 0, got {t}")
+            if isinstance(k, bool) or int(k) != k or k < 0:
+                raise ValueError(f"lane {lane}: top_k must be an integer >= 0 (0 = off), got {k}")
+            if not (0.0 < p <= 1.0):
+                raise ValueError(f"lane {lane}: top_p must be in (0, 1] (1 = off), got {p}")
+            if isinstance(s, bool) or int(s) != s or not (0 <= s < _MAX_SEED):
+                raise ValueError(f"lane {lane}: seed must be an integer in [0, 2**32), got {s}")
+        temperature = np.asarray(temperature, np.float32)
+        return cls(
+            temperature=temperature,
+            top_k=np.asarray([int(k) for k in top_k], np.int32),
+            top_p=np.asarray(top_p, np.float32),
+            greedy=temperature <= SAMPLING_EPS,
+            seed=np.asarray([int(s) for s in seeds], np.uint32),
+        )
+
+    @classmethod
+    def stack(cls, requests: Sequence[Any]) -> "SamplingArrays":
+        """From per-request objects or dicts with temperature / top_k / top_p / seed."""
+
+        def get(r, name, default):
+            value = r.get(name, default) if isinstance(r, dict) else getattr(r, name, default)
+            return default if value is None else value
+
+        return cls.from_lists(
+            temperature=[get(r, "temperature", 1.0) for r in requests],
+            top_k=[get(r, "top_k", 0) for r in requests],
+            top_p=[get(r, "top_p", 1.0) for r in requests],
+            seed=[get(r, "seed", None) for r in requests],
+        )
+
+    @classmethod
+    def padding(cls, num_lanes: int) -> "SamplingArrays":
+        """Parameters for empty lanes: greedy (cheapest: no filtering, no noise needed), seed 0."""
+        return cls.from_lists([0.0] * num_lanes, seed=[0] * num_lanes)
+
+    def pad_to(self, num_lanes: int) -> "SamplingArrays":
+        """Append greedy padding lanes up to `num_lanes` (host arrays)."""
+        extra = num_lanes - self.num_lanes
+        if extra < 0:
+            raise ValueError(f"cannot pad {self.num_lanes} lanes down to {num_lanes}")
+        pad = SamplingArrays.padding(extra)
+        return jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), b]), self, pad)
+
+
+# ----------------------------------------------------------------------------------------------
+# The processed distribution
+# ----------------------------------------------------------------------------------------------
+
+
+def _lane_param(param, ndim: int):
+    """[B] (or [B, ...]) -> [B, ..., 1, ...] broadcastable against [B, ..., V] of rank ndim."""
+    param = jnp.asarray(param)
+    return param.reshape(param.shape + (1,) * (ndim - param.ndim))
+
+
+def _ordered_uint32(x_f32):
+    """Order-preserving map float32 -> uint32 (a < b  <=>  key(a) < key(b); -0 == +0)."""
+    x_f32 = jnp.where(x_f32 == 0.0, 0.0, x_f32)  # -0.0 -> +0.0 so the two tie
+    bits = lax.bitcast_convert_type(x_f32, jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _top_k_keep(x_f32, top_k, use_top_k):
+    """Bool [..., V]: x >= (k-th largest x, with multiplicity). 32 compare+count passes."""
+    key_u32 = _ordered_uint32(x_f32)
+    k = jnp.where(use_top_k, top_k, 1).astype(jnp.int32)  # [..., 1]
+    threshold = jnp.zeros(key_u32.shape[:-1] + (1,), jnp.uint32)
+
+    # Invariant: count(key >= threshold) >= k. Set bits from the top while it still holds, so the
+    # result is the largest such threshold, i.e. exactly the k-th largest key.
+    def set_bit(i, threshold):
+        candidate = threshold | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        count = jnp.sum(key_u32 >= candidate, axis=-1, keepdims=True, dtype=jnp.int32)
+        return jnp.where(count >= k, candidate, threshold)
+
+    threshold = lax.fori_loop(0, 32, set_bit, threshold)
+    return (key_u32 >= threshold) | ~use_top_k
+
+
+def _top_p_keep(x_f32, top_p, use_top_p):
+    """Bool [..., V]: the nucleus of softmax(x) (x is -inf where top-k removed). 30 passes."""
+    x_max = jnp.max(x_f32, axis=-1, keepdims=True)
+    unnorm = jnp.exp(x_f32 - x_max)
+    probs = unnorm / jnp.sum(unnorm, axis=-1, keepdims=True)  # pi, fp32, in [0, 1]
+    bits = lax.bitcast_convert_type(probs, jnp.int32)  # non-negative floats order as int32
+    threshold = jnp.zeros(bits.shape[:-1] + (1,), jnp.int32)
+
+    # Invariant: mass(pi >= threshold) >= top_p. 1.0f is 0x3F800000 < 2**30: 30 bits suffice.
+    def set_bit(i, threshold):
+        candidate = threshold | (jnp.int32(1) << (29 - i))
+        mass = jnp.sum(jnp.where(bits >= candidate, probs, 0.0), axis=-1, keepdims=True)
+        return jnp.where(mass >= top_p, candidate, threshold)
+
+    threshold = lax.fori_loop(0, 30, set_bit, threshold)
+    max_bits = jnp.max(bits, axis=-1, keepdims=True)
+    threshold = jnp.minimum(threshold, max_bits)  # always keep the argmax
+    return ((bits >= threshold) & (x_f32 > -jnp.inf)) | ~use_top_p
+
+
+def _log_softmax(x_f32):
+    x_max = jnp.max(x_f32, axis=-1, keepdims=True)
+    shifted = x_f32 - x_max
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+
+
+def processed_logprobs(logits, temperature, top_k, top_p, greedy):
+    """Log-probs [..., V] f32 of the distribution actually sampled (see module docstring).
+
+    logits: [B, ..., V] (any float dtype; processed in fp32). temperature / top_k / top_p /
+    greedy: [B] per-lane parameters (or any shape that is a prefix of logits.shape[:-1]); they
+    broadcast over the axes between lane and vocab, e.g. logits [B, K, V] with params [B].
+    Use the same function, with the same parameters, for the target's p and the drafter's q.
+    """
+    logits_f32 = logits.astype(jnp.float32)
+    ndim, vocab = logits_f32.ndim, logits_f32.shape[-1]
+    temperature, top_k, top_p, greedy = (
+        _lane_param(a, ndim) for a in (temperature, top_k, top_p, greedy)
+    )
+    greedy = greedy.astype(bool)
+    temperature = jnp.where(greedy, 1.0, temperature.astype(jnp.float32))
+    x_f32 = logits_f32 / temperature
+
+    use_top_k = (top_k > 0) & (top_k < vocab) & ~greedy
+    use_top_p = (top_p < 1.0) & ~greedy
+    # Skip each search entirely when no lane uses that filter (the common T-only case).
+    keep = lax.cond(
+        jnp.any(use_top_k),
+        lambda: _top_k_keep(x_f32, top_k, use_top_k),
+        lambda: jnp.ones(x_f32.shape, bool),
+    )
+    x_f32 = jnp.where(keep, x_f32, -jnp.inf)
+    keep = lax.cond(
+        jnp.any(use_top_p),
+        lambda: _top_p_keep(x_f32, top_p.astype(jnp.float32), use_top_p),
+        lambda: jnp.ones(x_f32.shape, bool),
+    )
+    x_f32 = jnp.where(keep, x_f32, -jnp.inf)
+    sampled_logprobs = _log_softmax(x_f32)
+
+    argmax = jnp.argmax(logits_f32, axis=-1, keepdims=True)
+    vocab_ids = lax.broadcasted_iota(jnp.int32, logits_f32.shape, ndim - 1)
+    greedy_logprobs = jnp.where(vocab_ids == argmax, 0.0, -jnp.inf)
+    return jnp.where(greedy, greedy_logprobs, sampled_logprobs)
+
+
+def process(logits, arrays: SamplingArrays):
+    """`processed_logprobs` with the parameters taken from a `SamplingArrays`."""
+    return processed_logprobs(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.greedy)
+
+
+# ----------------------------------------------------------------------------------------------
+# Keys and draws
+# ----------------------------------------------------------------------------------------------
+
+
+def token_key(seed_or_base_key, position, purpose):
+    """The key of one draw: fold(fold(key(seed), purpose), position). Scalars in, scalar out.
+
+    seed_or_base_key: a uint32 seed, or an already-made typed key (e.g. a per-request base key).
+    position: absolute token position the draw concerns. purpose: one of the PURPOSE_* tags.
+    """
+    dtype = getattr(seed_or_base_key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        key = seed_or_base_key
+    else:
+        key = jax.random.key(jnp.asarray(seed_or_base_key, jnp.uint32))
+    key = jax.random.fold_in(key, jnp.asarray(purpose, jnp.uint32))
+    return jax.random.fold_in(key, jnp.asarray(position, jnp.uint32))
+
+
+def token_keys(seeds, positions, purpose):
+    """Elementwise `token_key` over broadcast seeds / positions, e.g. [B] x [B, K] -> keys [B, K]."""
+    positions = jnp.asarray(positions)
+    seeds = jnp.asarray(seeds)
+    seeds = seeds.reshape(seeds.shape + (1,) * (positions.ndim - seeds.ndim))
+    seeds, positions = jnp.broadcast_arrays(seeds, positions)
+    flat = jax.vmap(lambda s, p: token_key(s, p, purpose))(seeds.reshape(-1), positions.reshape(-1))
+    return flat.reshape(positions.shape)
+
+
+def gumbel_noise(keys, vocab: int):
+    """Standard Gumbel noise [*keys.shape, vocab] in fp32, one independent row per key."""
+    flat = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys.reshape(-1))
+    return flat.reshape(keys.shape + (vocab,))
+
+
+def sample_from_logprobs(logprobs, keys):
+    """Gumbel-max draw: argmax(logprobs + G) ~ softmax(logprobs). logprobs [..., V], keys [...].
+
+    logprobs may be unnormalised log-weights; -inf entries are never drawn.
+    """
+    noise = gumbel_noise(keys, logprobs.shape[-1])
+    return jnp.argmax(logprobs + noise, axis=-1).astype(jnp.int32)
+
+
+def sample(logits, arrays: SamplingArrays, positions, purpose=PURPOSE_SAMPLE):
+    """One token per lane from the processed law. logits [B, V]; positions [B] (absolute
+    position of the token being sampled). Returns (tokens [B] int32, logprobs [B] f32: the
+    processed log-prob of each sampled token; 0.0 for greedy lanes).
+    """
+    logprobs = process(logits, arrays)
+    tokens = sample_from_logprobs(logprobs, token_keys(arrays.seed, positions, purpose))
+    tokens = jnp.where(arrays.greedy, jnp.argmax(logprobs, axis=-1).astype(jnp.int32), tokens)
+    token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, token_logprobs
+
+
+def draft_sample(logits, arrays: SamplingArrays, positions):
+    """The drafter's step: (tokens [B] int32, q_logprobs [B, V] f32).
+
+    logits [B, V] are the drafter's corrected logits (for DSpark: base + Markov bias of the
+    *sampled* previous token, before temperature). positions [B] is the absolute position of
+    the token being drafted. Stack the returned q rows into rejection_sample's draft_logprobs:
+    they are exactly the law each draft was drawn from.
+    """
+    q_logprobs = process(logits, arrays)
+    tokens = sample_from_logprobs(q_logprobs, token_keys(arrays.seed, positions, PURPOSE_DRAFT))
+    tokens = jnp.where(arrays.greedy, jnp.argmax(q_logprobs, axis=-1).astype(jnp.int32), tokens)
+    return tokens, q_logprobs
