@@ -41,7 +41,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, force: bool = False,
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
         hf_config = json.loads((src / "config.json").read_text())
-        hf_config["torch_dtype"] = cfg.dtype
+        for key in ("dtype", "torch_dtype"):  # transformers 5 / 4 spellings
+            hf_config[key] = cfg.dtype
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         # The marker is written last: a directory without it is never taken for a jspec one.
         (tmp / JSPEC_MARKER).write_text(json.dumps(

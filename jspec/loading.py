@@ -13,7 +13,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jspec.config import ConfigError, Qwen3Config
@@ -138,15 +137,13 @@ def load_model(model_dir: str | Path, *, dtype: str | None = None, progress: boo
                ) -> tuple[Qwen3Config, Qwen3]:
     """Load a Qwen3 target from a Hugging Face or jspec directory onto the default device."""
     path = check_model_dir(model_dir)
-    cfg = Qwen3Config.from_dir(path, dtype=dtype)
     if is_jspec_dir(path):
-        marker = json.loads((path / JSPEC_MARKER).read_text())
-        if dtype and dtype != marker.get("dtype"):
-            raise ConfigError(f"{path} was converted to {marker.get('dtype')}; "
-                              f"dtype {dtype!r} needs a conversion from the original weights")
+        stored = json.loads((path / JSPEC_MARKER).read_text())["dtype"]
+        if dtype and dtype != stored:
+            raise ConfigError(f"{path} was converted to {stored}; dtype {dtype!r} needs a "
+                              "conversion from the original weights")
+        cfg = Qwen3Config.from_dir(path, dtype=stored)
         return cfg, load_orbax(path / ORBAX_SUBDIR, cfg)
+    cfg = Qwen3Config.from_dir(path, dtype=dtype)
     return cfg, load_hf_weights(path, cfg, progress=progress)
 
-
-def to_numpy_tree(model: Qwen3) -> dict:
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
