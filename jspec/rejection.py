@@ -1,0 +1,173 @@
+"""Lossless speculative verification (reference/dspark.md section 4), pure JAX, padded [B, K].
+
+One round per lane: the anchor sits at absolute position s, drafts x_1..x_n (n = num_draft <= K)
+at positions s+1..s+n were sampled from q_1..q_n, and the target was run over
+[anchor, x_1..x_K], giving p_0..p_K (p_i is the law of the token at s+i+1). `positions` below is
+s+1, the position of the first token this round can emit.
+
+  accept x_k  iff  log u_k + log q_k(x_k) < log p_{k-1}(x_k)     (k <= n; same as u*q < p,
+                                                                  without division or underflow)
+  a = length of the all-accept prefix
+  a < n : emit x_1..x_a, then r ~ max(p_a - q_{a+1}, 0) normalised (p_a if its mass <= 1e-8)
+  a = n : emit x_1..x_n, then the bonus ~ p_n
+So a + 1 tokens (1..K+1) are emitted. p and q must come from the same `processed_logprobs`
+(temperature, top-k, top-p), q being exactly the law each draft was drawn from; a draft that
+the target filtered out (p = 0) is never accepted.
+
+Greedy lanes: accept x_k iff x_k == argmax p_{k-1}; the replacement / bonus is argmax p_a. The
+emitted tokens are exactly the target's greedy chain, whatever q is.
+
+Keys (per request, per absolute position, never per lane; see sampling.token_key):
+  draft x_k     token_key(seed, s+k, PURPOSE_DRAFT)     -- the drafter's job (draft_sample)
+  uniform u_k   token_key(seed, s+k, PURPOSE_ACCEPT)
+  residual/bonus token_key(seed, s+a+1, PURPOSE_RESIDUAL)
+Every draw that decides the tokens up to position t uses keys of positions <= t, so a later
+round's draws are independent of everything already emitted, even though positions that were
+drafted but rejected get drafted again (with the same draft key) in the next round.
+
+Not here: EOS / stop handling (the engine truncates the emitted tokens after the first stop
+token and ends the request; that is a decision about the output, not about the law), writing
+the KV cache, and choosing num_draft (which must not look at the drafts it admits).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jspec import sampling
+
+RESIDUAL_MASS_EPS = 1e-8  # below this residual mass, sample p_a itself (DeepSpec's rule)
+PAD_TOKEN = -1  # out_tokens past num_emitted
+
+
+class RejectionResult(NamedTuple):
+    tokens: jax.Array  # [B, K+1] int32; PAD_TOKEN past num_emitted
+    num_emitted: jax.Array  # [B] int32 in 1..K+1 (= accepted drafts + 1)
+    logprobs: jax.Array  # [B, K+1] f32: processed-target log-prob of each emitted token; 0 past
+
+
+def _take_rows(x_bkv, rows_b):
+    """x [B, K, V], rows [B] -> x[b, rows[b]] : [B, V]."""
+    return jnp.take_along_axis(x_bkv, rows_b[:, None, None], axis=1)[:, 0]
+
+
+def accept_drafts(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, uniforms):
+    """The accept test. Returns (accept [B, K] bool, num_accepted [B] int32 in 0..num_draft).
+
+    target_logprobs [B, K+1, V] (processed p_0..p_K), draft_logprobs [B, K, V] (q_1..q_K),
+    draft_tokens [B, K], num_draft [B], greedy [B] bool, uniforms [B, K] in [0, 1).
+    accept[:, k-1] is the test of draft x_k alone; num_accepted is its all-accept prefix length.
+    """
+    num_drafts_max = draft_tokens.shape[1]
+    vocab = target_logprobs.shape[-1]
+    tokens_bk1 = jnp.clip(draft_tokens, 0, vocab - 1)[..., None]  # padding ids are masked below
+    target_bkv = target_logprobs[:, :num_drafts_max]  # p_{k-1} for x_k
+    logp_x = jnp.take_along_axis(target_bkv, tokens_bk1, axis=-1)[..., 0]  # [B, K]
+    logq_x = jnp.take_along_axis(draft_logprobs, tokens_bk1, axis=-1)[..., 0]  # [B, K]
+
+    # log u + log q < log p  <=>  u * q < p; -inf never yields NaN here (no +inf terms), p = 0
+    # always rejects, and u = 0 accepts iff p > 0.
+    accept = jnp.log(uniforms.astype(jnp.float32)) + logq_x < logp_x
+    greedy_accept = draft_tokens == jnp.argmax(target_bkv, axis=-1)
+    accept = jnp.where(greedy[:, None], greedy_accept, accept)
+    accept &= jnp.arange(num_drafts_max)[None, :] < num_draft[:, None]
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+    return accept, num_accepted.astype(jnp.int32)
+
+
+def residual_logprobs(target_logprobs_bv, draft_logprobs_bv):
+    """Normalised log of max(p - q, 0) [B, V]; falls back to p where that mass <= 1e-8.
+
+    Computed in log space, log(p - q) = log p + log1p(-exp(log q - log p)), so tokens with tiny
+    p are not flushed to zero before the difference is taken.
+    """
+    lp, lq = target_logprobs_bv, draft_logprobs_bv
+    positive = lp > lq
+    gap = jnp.where(positive, lq - lp, -1.0)  # keep the unused branch finite
+    log_residual = jnp.where(positive, lp + jnp.log1p(-jnp.exp(gap)), -jnp.inf)
+    log_mass = jax.nn.logsumexp(log_residual, axis=-1, keepdims=True)
+    use_target = log_mass <= jnp.log(RESIDUAL_MASS_EPS)
+    normalised = log_residual - jnp.where(use_target, 0.0, log_mass)
+    return jnp.where(use_target, lp, normalised)
+
+
+def _emit(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, num_accepted,
+          residual_gumbel):
+    """Tokens and log-probs for a known accept length; residual_gumbel [B, V] is the noise of
+    the single residual / bonus draw (Gumbel-max)."""
+    batch, num_rows, vocab = target_logprobs.shape
+    num_drafts_max = num_rows - 1
+    target_row = _take_rows(target_logprobs, num_accepted)  # p_a [B, V]
+    if num_drafts_max > 0:
+        draft_row = _take_rows(draft_logprobs, jnp.minimum(num_accepted, num_drafts_max - 1))
+        is_bonus = num_accepted >= num_draft  # all proposed drafts accepted (or none proposed)
+        law = jnp.where(is_bonus[:, None], target_row, residual_logprobs(target_row, draft_row))
+    else:
+        law = target_row
+    new_token = jnp.argmax(law + residual_gumbel, axis=-1).astype(jnp.int32)
+    new_token = jnp.where(greedy, jnp.argmax(target_row, axis=-1).astype(jnp.int32), new_token)
+    new_logprob = jnp.take_along_axis(target_row, new_token[:, None], axis=-1)[:, 0]
+
+    rows = jnp.arange(num_rows)[None, :]  # output slot i is position s+1+i
+    drafts = jnp.concatenate([draft_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    draft_lp = jnp.take_along_axis(
+        target_logprobs[:, :num_drafts_max], jnp.clip(draft_tokens, 0, vocab - 1)[..., None], axis=-1
+    )[..., 0]
+    draft_lp = jnp.concatenate([draft_lp, jnp.zeros((batch, 1), jnp.float32)], axis=1)
+    accepted = rows < num_accepted[:, None]
+    is_new = rows == num_accepted[:, None]
+    tokens = jnp.where(accepted, drafts, jnp.where(is_new, new_token[:, None], PAD_TOKEN))
+    logprobs = jnp.where(accepted, draft_lp, jnp.where(is_new, new_logprob[:, None], 0.0))
+    return RejectionResult(tokens.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32),
+                           logprobs)
+
+
+def rejection_sample_core(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy,
+                          uniforms, residual_gumbel) -> RejectionResult:
+    """The rule with explicit randomness (for exact tests and custom key schemes).
+
+    target_logprobs [B, K+1, V] processed p_0..p_K; draft_logprobs [B, K, V] q_1..q_K;
+    draft_tokens [B, K] int32; num_draft [B] int32 (clipped to 0..K); greedy [B] bool;
+    uniforms [B, K] in [0, 1); residual_gumbel [B, V] standard Gumbel noise for the one
+    residual / bonus draw.
+    """
+    num_draft = jnp.clip(num_draft, 0, draft_tokens.shape[1]).astype(jnp.int32)
+    _, num_accepted = accept_drafts(target_logprobs, draft_logprobs, draft_tokens, num_draft,
+                                    greedy, uniforms)
+    return _emit(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, num_accepted,
+                 residual_gumbel)
+
+
+def rejection_sample(target_logits, draft_logprobs, draft_tokens, num_draft,
+                     arrays: sampling.SamplingArrays, positions) -> RejectionResult:
+    """One verification round per lane with per-request keys.
+
+    target_logits [B, K+1, V] raw target logits over [anchor, x_1..x_K] (any float dtype);
+    draft_logprobs [B, K, V] f32: q exactly as the drafter sampled from it (processed_logprobs of
+    the drafter's corrected logits with the same `arrays`, e.g. the rows of draft_sample);
+    draft_tokens [B, K] int32; num_draft [B] int32 (lanes may propose fewer than K; entries past
+    it are ignored); positions [B] int32: absolute position of the first token to be emitted
+    (anchor position + 1). Returns RejectionResult(tokens [B, K+1], num_emitted [B], logprobs).
+    """
+    num_drafts_max = draft_tokens.shape[1]
+    vocab = target_logits.shape[-1]
+    num_draft = jnp.clip(num_draft, 0, num_drafts_max).astype(jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    target_logprobs = sampling.process(target_logits, arrays)
+
+    draft_positions = positions[:, None] + jnp.arange(num_drafts_max, dtype=jnp.int32)[None, :]
+    accept_keys = sampling.token_keys(arrays.seed, draft_positions, sampling.PURPOSE_ACCEPT)
+    uniforms = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(
+        accept_keys.reshape(-1)).reshape(accept_keys.shape)
+    _, num_accepted = accept_drafts(target_logprobs, draft_logprobs, draft_tokens, num_draft,
+                                    arrays.greedy, uniforms)
+
+    # The residual / bonus lands at position s+1+a: its key is known only after the accept test.
+    residual_keys = sampling.token_keys(arrays.seed, positions + num_accepted,
+                                        sampling.PURPOSE_RESIDUAL)
+    residual_gumbel = sampling.gumbel_noise(residual_keys, vocab)
+    return _emit(target_logprobs, draft_logprobs, draft_tokens, num_draft, arrays.greedy,
+                 num_accepted, residual_gumbel)
