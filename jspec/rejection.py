@@ -125,6 +125,7 @@ def _emit(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, num_
                            logprobs)
 
 
+@jax.jit
 def rejection_sample_core(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy,
                           uniforms, residual_gumbel) -> RejectionResult:
     """The rule with explicit randomness (for exact tests and custom key schemes).
@@ -141,6 +142,7 @@ def rejection_sample_core(target_logprobs, draft_logprobs, draft_tokens, num_dra
                  residual_gumbel)
 
 
+@jax.jit
 def rejection_sample(target_logits, draft_logprobs, draft_tokens, num_draft,
                      arrays: sampling.SamplingArrays, positions) -> RejectionResult:
     """One verification round per lane with per-request keys.

@@ -29,6 +29,9 @@ the mass above the candidate (30 vocab passes). Each pass is one fused compare+r
 [..., V]; there is no sort, gather or scatter. Each search is skipped with `lax.cond` when no
 lane in the batch uses that filter, so plain temperature sampling costs one log-softmax.
 
+The public functions are `jax.jit`-wrapped so that eager calls are fast; inside an outer jit
+they simply inline.
+
 Randomness: every draw uses a key derived from the request's seed, the absolute position of
 the token it concerns, and a small purpose tag (`token_key`). A request's tokens therefore never
 depend on its lane index or on what else is batched with it, and a key is never shared between
@@ -218,6 +221,7 @@ def _log_softmax(x_f32):
     return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
 
+@jax.jit
 def processed_logprobs(logits, temperature, top_k, top_p, greedy):
     """Log-probs [..., V] f32 of the distribution actually sampled (see module docstring).
 
@@ -308,6 +312,7 @@ def sample_from_logprobs(logprobs, keys):
     return jnp.argmax(logprobs + noise, axis=-1).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames="purpose")
 def sample(logits, arrays: SamplingArrays, positions, purpose=PURPOSE_SAMPLE):
     """One token per lane from the processed law. logits [B, V]; positions [B] (absolute
     position of the token being sampled). Returns (tokens [B] int32, logprobs [B] f32: the
@@ -320,6 +325,7 @@ def sample(logits, arrays: SamplingArrays, positions, purpose=PURPOSE_SAMPLE):
     return tokens, token_logprobs
 
 
+@jax.jit
 def draft_sample(logits, arrays: SamplingArrays, positions):
     """The drafter's step: (tokens [B] int32, q_logprobs [B, V] f32).
 

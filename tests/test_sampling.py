@@ -1,0 +1,300 @@
+"""Sampler: exact processed distributions, sampling law, keys and batch independence (CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import sampling
+from jspec.sampling import SamplingArrays
+
+ALPHA = 1e-5  # per-test significance; the seeds are fixed, so each verdict is deterministic
+
+
+def chi2_pvalue(counts, probs, min_expected=5.0):
+    """Goodness of fit of integer counts to a law. Draws in a zero-probability cell -> 0.0.
+
+    Cells with expected count < min_expected are pooled into one. No scipy needed: the chi2
+    survival function is gammaincc(df/2, stat/2).
+    """
+    counts = np.asarray(counts, np.float64).ravel()
+    probs = np.asarray(probs, np.float64).ravel()
+    if np.any(counts[probs <= 0] > 0):
+        return 0.0
+    expected = counts.sum() * probs / probs.sum()
+    big = expected >= min_expected
+    obs = np.append(counts[big], counts[~big & (probs > 0)].sum())
+    exp = np.append(expected[big], expected[~big & (probs > 0)].sum())
+    if exp[-1] < min_expected:  # fold a still-small pool into the smallest big cell
+        j = np.argmin(exp[:-1])
+        obs[j] += obs[-1]
+        exp[j] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    if len(exp) < 2:
+        return 1.0
+    stat = np.sum((obs - exp) ** 2 / exp)
+    return float(jax.scipy.special.gammaincc((len(exp) - 1) / 2.0, stat / 2.0))
+
+
+def lane_arrays(num_lanes, temperature, top_k=0, top_p=1.0, seed=0):
+    return SamplingArrays.from_lists(
+        [temperature] * num_lanes, [top_k] * num_lanes, [top_p] * num_lanes, [seed] * num_lanes)
+
+
+def probs_of(logits, temperature, top_k=0, top_p=1.0, greedy=False):
+    logits = jnp.asarray(logits, jnp.float32)
+    batch = logits.shape[0]
+    lp = sampling.processed_logprobs(
+        logits, jnp.full((batch,), temperature, jnp.float32), jnp.full((batch,), top_k, jnp.int32),
+        jnp.full((batch,), top_p, jnp.float32), jnp.full((batch,), greedy))
+    return np.exp(np.asarray(lp, np.float64))
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+def test_from_lists_builds_validated_host_arrays():
+    arrays = SamplingArrays.from_lists([0.0, 0.7, 1e-6], top_k=[None, 20, 0],
+                                       top_p=[1.0, 0.8, None], seed=[1, 2**32 - 1, 3])
+    assert arrays.temperature.dtype == np.float32 and arrays.top_k.dtype == np.int32
+    assert arrays.top_p.dtype == np.float32 and arrays.seed.dtype == np.uint32
+    np.testing.assert_array_equal(arrays.greedy, [True, False, True])
+    np.testing.assert_array_equal(arrays.top_k, [0, 20, 0])
+    np.testing.assert_array_equal(arrays.top_p, np.float32([1.0, 0.8, 1.0]))
+    assert arrays.pad_to(5).num_lanes == 5 and bool(arrays.pad_to(5).greedy[-1])
+    assert len(jax.tree.leaves(arrays)) == 5  # a pytree of arrays, nothing static
+
+    unseeded = SamplingArrays.from_lists([1.0] * 4)
+    assert len(set(unseeded.seed.tolist())) > 1  # fresh host seeds, not one shared stream
+
+    class Req:
+        temperature, top_k, top_p, seed = 0.7, 20, 0.8, 9
+
+    stacked = SamplingArrays.stack([Req(), {"temperature": 0.0, "seed": 4}])
+    np.testing.assert_array_equal(stacked.top_k, [20, 0])
+    np.testing.assert_array_equal(stacked.seed, [9, 4])
+
+    for bad in (dict(temperature=[-1.0]), dict(temperature=[float("nan")]),
+                dict(temperature=[1.0], top_k=[-1]), dict(temperature=[1.0], top_k=[1.5]),
+                dict(temperature=[1.0], top_p=[0.0]), dict(temperature=[1.0], top_p=[1.5]),
+                dict(temperature=[1.0], seed=[-1]), dict(temperature=[1.0], seed=[2**32]),
+                dict(temperature=[1.0, 1.0], top_k=[1])):
+        with pytest.raises(ValueError):
+            SamplingArrays.from_lists(**bad)
+
+
+# ---------------------------------------------------------------------------- exact processing
+
+
+def test_temperature_scaling_is_log_softmax_of_scaled_logits():
+    logits = np.random.default_rng(0).normal(size=(3, 11)).astype(np.float32) * 3
+    for temperature in (0.3, 1.0, 2.5):
+        got = probs_of(logits, temperature)
+        want = np.exp(logits / temperature) / np.exp(logits / temperature).sum(-1, keepdims=True)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = np.random.default_rng(1).normal(size=(4, 20)).astype(np.float32)
+    for k in (1, 3, 19):
+        probs = probs_of(logits, 0.8, top_k=k)
+        for row, prob in zip(logits, probs):
+            top = np.sort(np.argsort(-row)[:k])
+            np.testing.assert_array_equal(np.flatnonzero(prob), top)
+            want = np.exp(row[top] / 0.8) / np.exp(row[top] / 0.8).sum()
+            np.testing.assert_allclose(prob[top], want, rtol=1e-5)
+    # k >= V is "off"
+    np.testing.assert_allclose(probs_of(logits, 0.8, top_k=20), probs_of(logits, 0.8), rtol=1e-6)
+
+
+def test_top_k_keeps_every_tie_at_the_kth_value():
+    logits = [[5.0, 3.0, 1.0, 3.0, -2.0, 3.0]]
+    assert np.flatnonzero(probs_of(logits, 1.0, top_k=2)[0]).tolist() == [0, 1, 3, 5]
+    assert np.flatnonzero(probs_of(logits, 1.0, top_k=1)[0]).tolist() == [0]
+    # -0.0 and +0.0 tie
+    assert np.flatnonzero(probs_of([[1.0, -0.0, 0.0, -1.0]], 1.0, top_k=2)[0]).tolist() == [0, 1, 2]
+
+
+def test_top_p_cut_point_by_hand():
+    base = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(base)[None].astype(np.float32)
+    cases = {0.1: [0], 0.45: [0], 0.75: [0, 1], 0.85: [0, 1, 2], 0.97: [0, 1, 2, 3]}
+    for top_p, kept in cases.items():
+        probs = probs_of(logits, 1.0, top_p=top_p)[0]
+        assert np.flatnonzero(probs).tolist() == kept, top_p
+        np.testing.assert_allclose(probs[kept], base[kept] / base[kept].sum(), rtol=1e-5)
+    # Ties with the last token of the nucleus are kept: 0.4 + 0.3 reaches 0.6, the other 0.3 stays.
+    tied = np.log(np.array([[0.4, 0.3, 0.3]])).astype(np.float32)
+    assert np.flatnonzero(probs_of(tied, 1.0, top_p=0.6)[0]).tolist() == [0, 1, 2]
+
+
+def test_top_p_is_a_nucleus_of_the_tempered_top_k_distribution():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]])).astype(np.float32)
+    # top-k 2 renormalises to (0.625, 0.375): 0.6 needs only token 0, 0.7 needs both.
+    assert np.flatnonzero(probs_of(logits, 1.0, top_k=2, top_p=0.6)[0]).tolist() == [0]
+    assert np.flatnonzero(probs_of(logits, 1.0, top_k=2, top_p=0.7)[0]).tolist() == [0, 1]
+    # T = 0.5 squares and renormalises: (0.25, .09, .0225, .0025)/0.365 = (.685, .247, .062, .007)
+    assert np.flatnonzero(probs_of(logits, 0.5, top_p=0.9)[0]).tolist() == [0, 1]
+    assert np.flatnonzero(probs_of(logits, 1.0, top_p=0.9)[0]).tolist() == [0, 1, 2]
+
+
+def test_greedy_is_one_hot_at_the_argmax_and_ignores_filters():
+    logits = np.array([[0.1, 2.0, -1.0, 2.0], [3.0, 0.0, 0.0, 0.0]], np.float32)
+    lp = np.asarray(sampling.processed_logprobs(
+        logits, np.zeros(2, np.float32), np.array([1, 3], np.int32),
+        np.array([0.1, 0.5], np.float32), np.array([True, True])))
+    np.testing.assert_array_equal(lp[0], [-np.inf, 0.0, -np.inf, -np.inf])  # tie -> lowest id
+    np.testing.assert_array_equal(lp[1], [0.0, -np.inf, -np.inf, -np.inf])
+
+
+def test_per_lane_params_in_one_batch_and_broadcast_over_positions():
+    rng = np.random.default_rng(2)
+    configs = [(1.0, 0, 1.0, False), (0.6, 5, 1.0, False), (0.9, 0, 0.7, False),
+               (0.7, 4, 0.8, False), (0.0, 3, 0.5, True), (1.3, 30, 0.95, False)]
+    logits = rng.normal(size=(len(configs), 3, 30)).astype(np.float32) * 2
+    temp, top_k, top_p, greedy = (np.array(c) for c in zip(*configs))
+    batched = np.asarray(sampling.processed_logprobs(
+        logits, temp.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32),
+        greedy))  # [B, K, V] with params [B]
+    for lane, (t, k, p, g) in enumerate(configs):
+        for pos in range(3):
+            alone = probs_of(logits[lane, pos][None], t, k, p, g)[0]
+            np.testing.assert_allclose(np.exp(batched[lane, pos]), alone, rtol=1e-6, atol=1e-7)
+
+
+def _sort_reference(row, temperature, top_k, top_p):
+    """Sort-based float64 definition of the processed law (module docstring of sampling)."""
+    x = row.astype(np.float64) / temperature
+    keep = np.ones(x.shape, bool)
+    if 0 < top_k < len(x):
+        keep = x >= np.sort(x)[::-1][top_k - 1]
+    x = np.where(keep, x, -np.inf)
+    if top_p < 1.0:
+        pi = np.exp(x - x.max())
+        pi /= pi.sum()
+        order = np.sort(pi)[::-1]
+        last = np.searchsorted(np.cumsum(order), top_p)  # first prefix with mass >= top_p
+        keep &= pi >= order[min(last, len(order) - 1)]
+    x = np.where(keep, x, -np.inf)
+    return keep, x - np.log(np.sum(np.exp(x - x.max()))) - x.max()
+
+
+def test_matches_a_sort_based_reference_on_random_rows():
+    rng = np.random.default_rng(3)
+    rows, vocab = 256, 64
+    # Half the rows have integer logits so that top-k / top-p ties really occur.
+    logits = rng.normal(size=(rows, vocab)) * 2
+    logits[::2] = np.round(logits[::2])
+    logits = logits.astype(np.float32)
+    temp = rng.uniform(0.3, 1.5, rows).astype(np.float32)
+    top_k = rng.choice([0, 1, 2, 5, 17, 63, 64, 100], rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.95, 0.8, 0.5, 0.2, 0.01], rows).astype(np.float32)
+    got = np.asarray(jax.jit(sampling.processed_logprobs)(
+        logits, temp, top_k, top_p, np.zeros(rows, bool)))
+    for i in range(rows):
+        keep, want = _sort_reference(logits[i], temp[i], top_k[i], top_p[i])
+        np.testing.assert_array_equal(np.isfinite(got[i]), keep, err_msg=f"row {i}")
+        np.testing.assert_allclose(got[i][keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_changing_parameters_does_not_recompile():
+    traces = []
+
+    @jax.jit
+    def step(logits, arrays, positions):
+        traces.append(1)
+        return sampling.sample(logits, arrays, positions)
+
+    logits = jnp.zeros((4, 32))
+    for arrays in (lane_arrays(4, 1.0), lane_arrays(4, 0.0, seed=3), lane_arrays(4, 0.7, 5, 0.9),
+                   SamplingArrays.from_lists([0.0, 1.0, 0.5, 2.0], [0, 3, 0, 7],
+                                             [1.0, 1.0, 0.3, 0.9], [1, 2, 3, 4])):
+        jax.block_until_ready(step(logits, arrays, jnp.arange(4)))
+    assert len(traces) == 1
+
+
+# ---------------------------------------------------------------------------- sampling law
+
+
+SAMPLING_LOGITS = np.random.default_rng(4).normal(size=16).astype(np.float32) * 1.5
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 6, 1.0),
+                                                     (1.0, 0, 0.8), (0.6, 8, 0.9)])
+def test_sample_frequencies_match_the_processed_law(temperature, top_k, top_p):
+    draws = 40_000
+    arrays = lane_arrays(draws, temperature, top_k, top_p, seed=11)
+    logits = jnp.broadcast_to(SAMPLING_LOGITS, (draws, 16))
+    tokens, token_lp = jax.jit(sampling.sample)(logits, arrays, jnp.arange(draws))  # positions
+    counts = np.bincount(np.asarray(tokens), minlength=16)
+    law = probs_of(SAMPLING_LOGITS[None], temperature, top_k, top_p)[0]
+    assert chi2_pvalue(counts, law) > ALPHA
+    np.testing.assert_allclose(np.asarray(token_lp), np.log(law[np.asarray(tokens)]), rtol=1e-5)
+
+    # Negative controls: the same test must reject the unfiltered law and a wrong temperature.
+    assert chi2_pvalue(counts, probs_of(SAMPLING_LOGITS[None], temperature)[0]
+                       if (top_k or top_p < 1) else
+                       probs_of(SAMPLING_LOGITS[None], temperature * 1.3)[0]) < ALPHA
+
+
+def test_sample_over_seeds_and_draft_sample_follow_the_law():
+    draws = 30_000
+    arrays = SamplingArrays.from_lists([0.8] * draws, [5] * draws, [0.9] * draws,
+                                       list(range(draws)))  # one seed per lane, same position
+    logits = jnp.broadcast_to(SAMPLING_LOGITS, (draws, 16))
+    law = probs_of(SAMPLING_LOGITS[None], 0.8, 5, 0.9)[0]
+    positions = jnp.full((draws,), 7)
+    tokens, q_lp = jax.jit(sampling.draft_sample)(logits, arrays, positions)
+    assert chi2_pvalue(np.bincount(np.asarray(tokens), minlength=16), law) > ALPHA
+    np.testing.assert_allclose(np.exp(np.asarray(q_lp[0])), law, rtol=1e-5, atol=1e-7)
+    # draft and plain-sample streams are different draws
+    plain, _ = jax.jit(sampling.sample)(logits, arrays, positions)
+    assert np.mean(np.asarray(plain) == np.asarray(tokens)) < 0.9
+
+
+def test_greedy_sample_is_argmax():
+    logits = np.random.default_rng(5).normal(size=(6, 50)).astype(np.float32)
+    arrays = SamplingArrays.from_lists([0.0] * 6, [3] * 6, [0.2] * 6, list(range(6)))
+    tokens, lp = sampling.sample(jnp.asarray(logits), arrays, jnp.arange(6))
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    np.testing.assert_array_equal(lp, 0.0)
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+def test_keys_depend_on_seed_position_and_purpose_only():
+    data = lambda key: np.asarray(jax.random.key_data(key)).tolist()
+    k = data(sampling.token_key(7, 100, sampling.PURPOSE_ACCEPT))
+    assert k == data(sampling.token_key(jnp.uint32(7), jnp.int32(100), sampling.PURPOSE_ACCEPT))
+    assert k == data(sampling.token_key(jax.random.key(7), 100, sampling.PURPOSE_ACCEPT))
+    others = [data(sampling.token_key(8, 100, 2)), data(sampling.token_key(7, 101, 2)),
+              data(sampling.token_key(7, 100, 3))]
+    assert all(o != k for o in others)
+    keys = sampling.token_keys(jnp.array([7, 8], jnp.uint32), jnp.array([[100, 101], [5, 6]]), 2)
+    assert keys.shape == (2, 2) and data(keys[0, 0]) == k
+
+
+def test_a_request_does_not_depend_on_its_lane_or_batch():
+    rng = np.random.default_rng(6)
+    mine = rng.normal(size=40).astype(np.float32)
+    others = rng.normal(size=(4, 40)).astype(np.float32) * 3
+
+    @jax.jit
+    def both(logits, arrays, positions):
+        return sampling.sample(logits, arrays, positions), sampling.draft_sample(
+            logits, arrays, positions)[0]
+
+    alone_arrays = SamplingArrays.from_lists([0.9], [12], [0.85], [1234])
+    batch_arrays = SamplingArrays.from_lists([1.0, 0.0, 0.7, 0.9, 0.5], [0, 0, 3, 12, 0],
+                                             [1.0, 1.0, 0.5, 0.85, 0.9], [1, 2, 3, 1234, 5])
+    batch_logits = np.concatenate([others[:3], mine[None], others[3:]])
+    seen = set()
+    for position in range(0, 200, 7):
+        (token, logprob), draft = both(mine[None], alone_arrays, jnp.array([position]))
+        (tokens, logprobs), drafts = both(batch_logits, batch_arrays,
+                                          jnp.array([9, 9, 9, position, 9]))
+        assert int(token[0]) == int(tokens[3]) and int(draft[0]) == int(drafts[3])
+        assert float(logprob[0]) == float(logprobs[3])
+        seen.add(int(token[0]))
+    assert len(seen) > 1  # the position really changes the draw
