@@ -115,9 +115,14 @@ def ragged_paged_attention_xla(
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
 
-    # Dense per-lane K/V: [B, pages_per_lane, S, Hkv, D] -> [B, L, Hkv, D].
-    k_bl = k_pages[page_table].reshape(num_lanes, kv_cap, num_kv_heads, head_dim)
-    v_bl = v_pages[page_table].reshape(num_lanes, kv_cap, num_kv_heads, head_dim)
+    # Dense per-lane K/V: [B, pages_per_lane, S, Hkv, D] -> [B, L, Hkv, D] (s indexes L). Slots
+    # at or past kv_len (stale tokens, the null page) are zeroed so NaN there cannot leak via p*v.
+    s = jnp.arange(kv_cap, dtype=jnp.int32)
+    kv_valid_bs = s[None, :] < kv_lens[:, None]
+    k_bskd = k_pages[page_table].reshape(num_lanes, kv_cap, num_kv_heads, head_dim)
+    v_bskd = v_pages[page_table].reshape(num_lanes, kv_cap, num_kv_heads, head_dim)
+    k_bskd = jnp.where(kv_valid_bs[:, :, None, None], k_bskd.astype(jnp.float32), 0.0)
+    v_bskd = jnp.where(kv_valid_bs[:, :, None, None], v_bskd.astype(jnp.float32), 0.0)
 
     # Per-lane queries [B, Qm, Hkv, G, D]; rows j >= q_len are padding (masked, never written).
     j = jnp.arange(max_q, dtype=jnp.int32)
@@ -125,12 +130,10 @@ def ragged_paged_attention_xla(
     tok_bq = jnp.where(q_valid_bq, cu_q_lens[:-1, None] + j[None, :], 0)
     q_bqkgd = q[tok_bq].reshape(num_lanes, max_q, num_kv_heads, group, head_dim)
 
-    scores_bkgqs = jnp.einsum("bqkgd,bskd->bkgqs", q_bqkgd.astype(jnp.float32),
-                              k_bl.astype(jnp.float32)) * sm_scale
+    scores_bkgqs = jnp.einsum("bqkgd,bskd->bkgqs", q_bqkgd.astype(jnp.float32), k_bskd) * sm_scale
 
     q_pos_bq = kv_lens[:, None] - q_lens[:, None] + j[None, :]  # absolute query positions
-    s = jnp.arange(kv_cap, dtype=jnp.int32)
-    mask_bqs = s[None, None, :] < kv_lens[:, None, None]
+    mask_bqs = jnp.broadcast_to(kv_valid_bs[:, None, :], (num_lanes, max_q, kv_cap))
     if causal:
         mask_bqs &= s[None, None, :] <= q_pos_bq[:, :, None]
     mask_bkgqs = mask_bqs[:, None, None, :, :]
@@ -142,7 +145,7 @@ def ragged_paged_attention_xla(
     p = jnp.where(mask_bkgqs, jnp.exp(scores_bkgqs - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)
-    out_bqkgd = jnp.einsum("bkgqs,bskd->bqkgd", p, v_bl.astype(jnp.float32))
+    out_bqkgd = jnp.einsum("bkgqs,bskd->bqkgd", p, v_bskd)
 
     # Back to [T, Hq, D]; padding rows of each lane scatter out of bounds and are dropped.
     out_bqhd = out_bqkgd.reshape(num_lanes, max_q, num_q_heads, head_dim).astype(q.dtype)

@@ -299,11 +299,11 @@ def make_plan(
     max_tiles = max(1, -(-kv_cap // block_n))
     if num_splits is None:
         # Enough programs for a few per SM: flash decoding for small batches, one split when the
-        # lanes x kv heads x q blocks already fill the GPU. Splits shorter than ~4 tiles waste
+        # lanes x kv heads x q blocks already fill the GPU. Splits shorter than ~2 tiles waste
         # more on the merge than they gain.
         sms = num_sms or NUM_SMS_DEFAULT
         base_programs = num_lanes * q_blocks * num_kv_heads
-        num_splits = max(1, min(-(-4 * sms // base_programs), max_tiles // 4, 32))
+        num_splits = max(1, min(-(-4 * sms // base_programs), max_tiles // 2, 32))
         if num_splits * num_tokens * num_q_heads * head_dim >= 2**31:  # int32 offsets
             num_splits = 1
     num_splits = max(1, min(num_splits, max_tiles))

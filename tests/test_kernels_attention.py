@@ -1,0 +1,392 @@
+"""Ragged paged attention on CPU: a brute-force numpy oracle checks the XLA reference, the XLA
+reference (and the oracle) check the Triton kernel run under Triton's CPU interpreter, plus
+write_kv and the dispatch.
+
+The Triton kernels run in ONE subprocess started with TRITON_INTERPRET=1: Triton chooses between
+compiling and interpreting when a function is decorated, its own standard library included
+(tl.cdiv, tl.max, ...), so the interpreter cannot be switched on inside a process that already
+imported triton, and switching it on for this whole process would break `pytest -m gpu`, which
+collects this file too. The worker patches two interpreter bugs, neither in our kernel:
+  * triton < 3.9 turns a scalar into a Python int with int(array of shape (1,)), which numpy >= 2.4
+    refuses (fixed upstream by .squeeze()); our kernel hits it in `range(tile_lo, tile_hi)`.
+  * the interpreter's tl.dot multiplies bf16 operands as their raw uint16 bit patterns; the
+    worker widens bf16 to fp32 first, which is what the GPU's bf16 x bf16 -> fp32 dot computes.
+If triton is not installed the interpreter tests skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jspec.kernels.kv_cache_write import write_kv
+from jspec.kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                  ragged_paged_attention_xla)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases (shared with tests/test_kernels_gpu.py)
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    page_size: int = 16
+    num_kv_heads: int = 2
+    group: int = 4
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = True
+    max_q_len: int | None = None
+    pad_tokens: int = 3  # rows of q past cu_q_lens[-1]
+    spare_pages: int = 1  # page-table entries per lane beyond the longest lane's need
+    overrides: tuple = ()  # Triton plan overrides, e.g. (("num_splits", 3),)
+
+    @property
+    def sm_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+CASES = [
+    Case("decode_ps16_g4", (1, 1, 1, 0), (1, 17, 40, 9), max_q_len=1),
+    Case("decode_ps32_g1_split", (1, 1, 1), (33, 95, 64), page_size=32, group=1, max_q_len=1,
+         overrides=(("num_splits", 3), ("block_n", 16))),
+    Case("verify_ps16_g4", (8, 8, 0, 8), (8, 50, 33, 100), max_q_len=8),
+    Case("verify_ps64_g8_bf16_split", (8, 8, 8), (70, 8, 129), page_size=64, group=8,
+         dtype="bfloat16", max_q_len=8, overrides=(("num_splits", 4), ("block_n", 32))),
+    Case("mixed_ps16_g2", (1, 5, 0, 16, 8, 3), (7, 21, 13, 16, 70, 3), group=2, max_q_len=16,
+         overrides=(("block_n", 32),)),
+    Case("mixed_ps32_g4_bf16_d128", (2, 16, 1, 0), (40, 31, 65, 0), page_size=32,
+         head_dim=128, dtype="bfloat16", max_q_len=16, overrides=(("num_splits", 2),)),
+    Case("mixed_ps64_g1_nomax", (3, 0, 9), (3, 5, 77), page_size=64, group=1),
+    Case("drafter_noncausal_ps16_g4", (7, 7, 0), (30, 7, 4), causal=False, max_q_len=7,
+         overrides=(("num_splits", 2),)),
+    Case("drafter_noncausal_ps32_g2_bf16", (7, 7), (71, 40), page_size=32, group=2,
+         dtype="bfloat16", causal=False, max_q_len=8),
+    Case("prefill_chunks_ps16_g4", (40, 2, 23), (45, 130, 23), max_q_len=40,
+         overrides=(("block_q", 8), ("block_n", 64))),
+    Case("prefill_ps32_g8_bf16_split", (33, 1), (97, 50), page_size=32, group=8,
+         dtype="bfloat16", max_q_len=40, overrides=(("block_q", 4), ("num_splits", 3))),
+    Case("noncausal_ps64_g2_d128", (16, 4), (16, 200), page_size=64, group=2, head_dim=128,
+         causal=False, max_q_len=16),
+]
+
+
+def _round(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values exactly representable in `dtype`."""
+    if dtype == "bfloat16":
+        return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return x.astype(np.float32)
+
+
+def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random ragged batch on a shuffled page pool. Everything a correct kernel must not read is
+    NaN: page 0 (the null page), slots at or past kv_len, unused pages and q's padding rows."""
+    rng = np.random.default_rng(seed)
+    num_lanes = len(case.q_lens)
+    assert len(case.kv_lens) == num_lanes
+    s, hkv, d = case.page_size, case.num_kv_heads, case.head_dim
+    hq = hkv * case.group
+    pages_needed = [-(-kv // s) for kv in case.kv_lens]
+    pages_per_lane = max(max(pages_needed), 1) + case.spare_pages
+    num_pages = 1 + sum(pages_needed) + 2  # null page + live pages + two never used
+    num_tokens = sum(case.q_lens) + case.pad_tokens
+
+    k_pages = np.full((num_pages, s, hkv, d), np.nan, np.float32)
+    v_pages = np.full((num_pages, s, hkv, d), np.nan, np.float32)
+    page_table = np.zeros((num_lanes, pages_per_lane), np.int32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    for b, kv_len in enumerate(case.kv_lens):
+        for i in range(pages_needed[b]):
+            page = free.pop()
+            page_table[b, i] = page
+            n = min(s, kv_len - i * s)
+            k_pages[page, :n] = _round(rng.standard_normal((n, hkv, d)), case.dtype)
+            v_pages[page, :n] = _round(rng.standard_normal((n, hkv, d)), case.dtype)
+
+    q = _round(rng.standard_normal((num_tokens, hq, d)), case.dtype)
+    cu_q_lens = np.concatenate([[0], np.cumsum(case.q_lens)]).astype(np.int32)
+    q[cu_q_lens[-1]:] = np.nan
+    return dict(q=q, k_pages=k_pages, v_pages=v_pages,
+                kv_lens=np.asarray(case.kv_lens, np.int32), page_table=page_table,
+                cu_q_lens=cu_q_lens)
+
+
+def bruteforce(case: Case, x: dict[str, np.ndarray]) -> np.ndarray:
+    """Loop-per-query float64 attention straight from the contract; padding rows are 0."""
+    q, k_pages, v_pages = x["q"], x["k_pages"], x["v_pages"]
+    num_tokens, hq, d = q.shape
+    s = case.page_size
+    out = np.zeros((num_tokens, hq, d), np.float64)
+    heads_kv = np.arange(hq) // case.group
+    for b, kv_len in enumerate(case.kv_lens):
+        q_len = case.q_lens[b]
+        start = x["cu_q_lens"][b]
+        pos = np.arange(kv_len)
+        pages = x["page_table"][b, pos // s]
+        k_lhd = k_pages[pages, pos % s].astype(np.float64)  # [kv_len, Hkv, D]
+        v_lhd = v_pages[pages, pos % s].astype(np.float64)
+        for j in range(q_len):
+            n = (kv_len - q_len + j + 1) if case.causal else kv_len
+            if n <= 0:
+                continue
+            k_ghd = k_lhd[:n][:, heads_kv]  # [n, Hq, D]
+            v_ghd = v_lhd[:n][:, heads_kv]
+            scores_hn = np.einsum("hd,nhd->hn", q[start + j].astype(np.float64), k_ghd)
+            scores_hn *= case.sm_scale
+            p_hn = np.exp(scores_hn - scores_hn.max(-1, keepdims=True))
+            p_hn /= p_hn.sum(-1, keepdims=True)
+            out[start + j] = np.einsum("hn,nhd->hd", p_hn, v_ghd)
+    return out
+
+
+def tolerance(case: Case) -> float:
+    # bf16: output rounding (2^-9 relative) plus p rounded to bf16 before the PV dot in kernels.
+    return 2e-2 if case.dtype == "bfloat16" else 2e-5
+
+
+def to_jax(case: Case, x: dict[str, np.ndarray]) -> tuple:
+    dt = jnp.dtype(case.dtype)
+    return (jnp.asarray(x["q"], dt), jnp.asarray(x["k_pages"], dt), jnp.asarray(x["v_pages"], dt),
+            jnp.asarray(x["kv_lens"]), jnp.asarray(x["page_table"]), jnp.asarray(x["cu_q_lens"]))
+
+
+def assert_close(case: Case, out, expected: np.ndarray, what: str) -> None:
+    out = np.asarray(jnp.asarray(out, jnp.float32)) if not isinstance(out, np.ndarray) else out
+    n_valid = sum(case.q_lens)
+    assert out.shape == expected.shape, what
+    assert np.all(out[n_valid:] == 0.0), f"{what}: padding rows are not zero"
+    err = np.max(np.abs(out - expected)) if out.size else 0.0
+    assert np.isfinite(out).all() and err <= tolerance(case), f"{what}: max abs err {err}"
+
+
+# ----------------------------------------------------------------------------------------------
+# XLA reference
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_xla_reference_matches_bruteforce(case):
+    x = make_inputs(case)
+    # jit: eager dispatch compiles every op separately, ~6x slower on CPU.
+    fn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=case.sm_scale,
+                                   causal=case.causal, max_q_len=case.max_q_len))
+    out = fn(*to_jax(case, x))
+    assert out.dtype == jnp.dtype(case.dtype)
+    assert_close(case, out, bruteforce(case, x), "xla")
+
+
+def test_dispatch_auto_is_xla_on_cpu_and_jits():
+    case = CASES[2]
+    x = make_inputs(case, seed=1)
+    args = to_jax(case, x)
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=case.sm_scale, causal=True,
+                                                   max_q_len=case.max_q_len, impl="auto"))
+    assert_close(case, fn(*args), bruteforce(case, x), "auto")
+    # New lengths are new array values, not new shapes: no retrace.
+    kv_lens = args[3].at[1].add(-3)
+    fn(*args[:3], kv_lens, *args[4:])
+    assert fn._cache_size() == 1
+
+
+def test_dispatch_rejects_bad_input():
+    case = CASES[0]
+    args = to_jax(case, make_inputs(case))
+    with pytest.raises(ValueError, match="impl"):
+        ragged_paged_attention(*args, sm_scale=1.0, impl="cuda")
+    with pytest.raises(ValueError, match="cu_q_lens"):
+        ragged_paged_attention(*args[:5], args[5][:-1], sm_scale=1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        ragged_paged_attention(args[0][:, :3], *args[1:], sm_scale=1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# write_kv
+# ----------------------------------------------------------------------------------------------
+
+def test_write_kv_round_trip():
+    rng = np.random.default_rng(0)
+    num_pages, s, hkv, d = 6, 16, 2, 8
+    k_pages = jnp.zeros((num_pages, s, hkv, d), jnp.bfloat16)
+    v_pages = jnp.zeros((num_pages, s, hkv, d), jnp.bfloat16)
+    # Two lanes: lane 0 appends 3 tokens at positions 14..16 of pages [3, 1]; lane 1 writes
+    # 2 tokens at 0..1 of page [5]; one padding token goes to the null page.
+    slots = np.array([3 * s + 14, 3 * s + 15, 1 * s + 0, 5 * s + 0, 5 * s + 1, 0], np.int32)
+    k_new = rng.standard_normal((6, hkv, d)).astype(np.float32)
+    v_new = rng.standard_normal((6, hkv, d)).astype(np.float32)
+    fn = jax.jit(write_kv, donate_argnums=(0, 1))
+    k_out, v_out = fn(k_pages, v_pages, jnp.asarray(k_new, jnp.bfloat16),
+                      jnp.asarray(v_new, jnp.bfloat16), jnp.asarray(slots))
+    k_out = np.asarray(k_out.astype(jnp.float32))
+    v_out = np.asarray(v_out.astype(jnp.float32))
+    for t, slot in enumerate(slots):
+        np.testing.assert_array_equal(k_out[slot // s, slot % s], _round(k_new[t], "bfloat16"))
+        np.testing.assert_array_equal(v_out[slot // s, slot % s], _round(v_new[t], "bfloat16"))
+    written = np.zeros((num_pages, s), bool)
+    written[slots // s, slots % s] = True
+    assert np.all(k_out[~written] == 0) and np.all(v_out[~written] == 0)
+
+
+def test_write_kv_then_attend():
+    """Decode step: write this step's K/V through write_kv, then attention sees it."""
+    case = Case("wk", (1, 1), (20, 5), max_q_len=1, pad_tokens=0)
+    x = make_inputs(case, seed=3)
+    # Blank out the last token of each lane and write it back through write_kv.
+    s = case.page_size
+    slots, k_new, v_new = [], [], []
+    for b, kv_len in enumerate(case.kv_lens):
+        page, off = x["page_table"][b, (kv_len - 1) // s], (kv_len - 1) % s
+        slots.append(page * s + off)
+        k_new.append(x["k_pages"][page, off].copy())
+        v_new.append(x["v_pages"][page, off].copy())
+    expected = bruteforce(case, x)
+    for slot in slots:
+        x["k_pages"][slot // s, slot % s] = 0.0
+        x["v_pages"][slot // s, slot % s] = 0.0
+    q, k_pages, v_pages, *rest = to_jax(case, x)
+    k_pages, v_pages = write_kv(k_pages, v_pages, jnp.asarray(np.stack(k_new)),
+                                jnp.asarray(np.stack(v_new)), jnp.asarray(slots, jnp.int32))
+    out = jax.jit(functools.partial(ragged_paged_attention, sm_scale=case.sm_scale, max_q_len=1))(
+        q, k_pages, v_pages, *rest)
+    assert_close(case, out, expected, "write_kv+attention")
+
+
+def test_write_kv_rejects_bad_shapes():
+    pages = jnp.zeros((2, 4, 2, 8))
+    with pytest.raises(ValueError, match="k_new"):
+        write_kv(pages, pages, jnp.zeros((3, 1, 8)), jnp.zeros((3, 2, 8)),
+                 jnp.zeros((3,), jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel under the interpreter (one subprocess for all cases)
+# ----------------------------------------------------------------------------------------------
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def interpreted_outputs(tmp_path_factory):
+    if not _triton_available():
+        pytest.skip("triton (and torch) not installed: the Triton interpreter tests need them")
+    work = tmp_path_factory.mktemp("triton_interp")
+    spec = []
+    arrays = {}
+    for i, case in enumerate(CASES):
+        for key, value in make_inputs(case).items():
+            arrays[f"{i}.{key}"] = value
+        spec.append(dict(index=i, dtype=case.dtype, sm_scale=case.sm_scale, causal=case.causal,
+                         max_q_len=case.max_q_len, overrides=dict(case.overrides)))
+    np.savez(work / "in.npz", **arrays)
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "--interpret-worker", str(work)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    with np.load(work / "out.npz") as out:
+        return {i: out[str(i)] for i in range(len(CASES))}
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
+def test_triton_interpreted_matches_bruteforce(interpreted_outputs, index):
+    case = CASES[index]
+    assert_close(case, interpreted_outputs[index], bruteforce(case, make_inputs(case)),
+                 "triton (interpreted)")
+
+
+def test_triton_plan_heuristics():
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.ragged_paged_attention_triton import make_plan
+
+    common = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, causal=True, ieee_dot=False,
+                  num_sms=132)
+    # Verify: all 8 queries x 4 heads of a kv head in one 32-row tile, one q block per lane.
+    p = make_plan(num_tokens=256, num_lanes=32, page_size=16, pages_per_lane=256, max_q_len=8,
+                  **common)
+    assert (p.block_q, p.block_m, p.q_blocks) == (8, 32, 1)
+    # Decode at batch 1: flash decoding splits the 4k context over many programs.
+    p = make_plan(num_tokens=1, num_lanes=1, page_size=16, pages_per_lane=256, max_q_len=1,
+                  **common)
+    assert p.block_m == 16 and p.num_splits >= 16
+    assert p.grid[0] * p.grid[1] * p.grid[2] >= 132
+    # Prefill chunk: 128-row tiles over 16 q blocks; splits cannot overflow int32 offsets.
+    p = make_plan(num_tokens=512, num_lanes=1, page_size=64, pages_per_lane=64, max_q_len=512,
+                  **common)
+    assert p.block_m == 128 and p.q_blocks == 16
+    assert p.num_splits * 512 * 32 * 128 < 2**31
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreter worker (runs in the subprocess)
+# ----------------------------------------------------------------------------------------------
+
+def _patch_interpreter() -> None:
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    original_patch_tensor = interp._patch_lang_tensor
+
+    def patch_tensor(tensor, scope):
+        original_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_tensor
+
+    original_dot = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        def widen(h):
+            if h.dtype == tl.bfloat16:  # stored as uint16 bit patterns
+                return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32),
+                                           tl.float32)
+            return h
+        return original_dot(self, widen(a), widen(b), d, *args)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+def _interpret_worker(work: Path) -> None:
+    import torch
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _patch_interpreter()
+    from jspec.kernels.ragged_paged_attention_triton import launch_torch
+
+    spec = json.loads((work / "spec.json").read_text())
+    outputs = {}
+    with np.load(work / "in.npz") as arrays:
+        for item in spec:
+            i = item["index"]
+            tdt = torch.bfloat16 if item["dtype"] == "bfloat16" else torch.float32
+            q, k, v = (torch.from_numpy(arrays[f"{i}.{n}"]).to(tdt)
+                       for n in ("q", "k_pages", "v_pages"))
+            ints = [torch.from_numpy(arrays[f"{i}.{n}"])
+                    for n in ("kv_lens", "page_table", "cu_q_lens")]
+            out = launch_torch(q, k, v, *ints, sm_scale=item["sm_scale"], causal=item["causal"],
+                               max_q_len=item["max_q_len"], **item["overrides"])
+            outputs[str(i)] = out.float().numpy()
+    np.savez(work / "out.npz", **outputs)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interpret-worker":
+    _interpret_worker(Path(sys.argv[2]))
