@@ -84,7 +84,7 @@ def residual_logprobs(target_logprobs_bv, draft_logprobs_bv):
     Computed in log space, log(p - q) = log p + log1p(-exp(log q - log p)), so tokens with tiny
     p are not flushed to zero before the difference is taken.
     """
-    lp, lq = target_logprobs_bv, draft_logprobs_bv
+    lp, lq = jnp.asarray(target_logprobs_bv), jnp.asarray(draft_logprobs_bv)
     positive = lp > lq
     gap = jnp.where(positive, lq - lp, -1.0)  # keep the unused branch finite
     log_residual = jnp.where(positive, lp + jnp.log1p(-jnp.exp(gap)), -jnp.inf)
