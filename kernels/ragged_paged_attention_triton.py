@@ -45,11 +45,11 @@ def _rpa_fwd_kernel(
     kv_lens_ptr,  # [B] int32
     page_table_ptr,  # [B, PAGES_PER_LANE] int32
     cu_q_lens_ptr,  # [B+1] int32
-    sm_scale,  # fp32 scalar
     # outputs
     o_ptr,  # NUM_SPLITS == 1: [T, Hq, D] in q's dtype; else [NUM_SPLITS, T, Hq, D] fp32
     lse_ptr,  # NUM_SPLITS == 1: unused; else [NUM_SPLITS, T, Hq] fp32, base-2 log-sum-exp
-    # static
+    # static (jax-triton would pass a Python float scalar as fp64, so the scale is static too)
+    SM_SCALE: tl.constexpr,
     NUM_TOKENS: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -65,8 +65,8 @@ def _rpa_fwd_kernel(
     CAUSAL: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of TF32
 ):
-    kv_head = tl.program_id(0)
-    lane_qblock = tl.program_id(1)
+    lane_qblock = tl.program_id(0)  # axis 0: the only grid axis allowed more than 65535
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     lane = lane_qblock // Q_BLOCKS
     q_block = lane_qblock % Q_BLOCKS
@@ -102,7 +102,7 @@ def _rpa_fwd_kernel(
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
-    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+    qk_scale = SM_SCALE * 1.4426950408889634  # softmax in base 2
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -251,7 +251,7 @@ class Plan:
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        return (self.num_kv_heads, self.num_lanes * self.q_blocks, self.num_splits)
+        return (self.num_lanes * self.q_blocks, self.num_kv_heads, self.num_splits)
 
     def fwd_constexprs(self) -> dict:
         return dict(
@@ -283,33 +283,42 @@ def make_plan(
     max_q = num_tokens if max_q_len is None else max(1, min(max_q_len, num_tokens))
 
     # Rows per tile: all of a verify block's queries x heads in one tile (<= 64 rows); long
-    # prefill blocks take 128 rows of queries x heads.
+    # prefill blocks take 128 rows of queries x heads (64 in fp32, whose FMA dots spill).
     if block_q is None:
-        block_q = max_q if max_q * group <= 64 else max(1, 128 // group)
+        block_q = max_q if max_q * group <= 64 else max(1, (64 if ieee_dot else 128) // group)
     block_q = max(1, min(block_q, max_q))
     block_m = max(16, _next_pow2(block_q * group))
     q_blocks = -(-max_q // block_q)
 
     if block_n is None:
-        block_n = 64 if block_m <= 64 else 32  # keep K+V tiles and the acc within registers/smem
+        # K+V tiles x pipeline stages must fit in shared memory, the acc in registers.
+        block_n = 64 if block_m <= 64 and not ieee_dot else 32
     if block_n & (block_n - 1) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
 
     kv_cap = pages_per_lane * page_size
     max_tiles = max(1, -(-kv_cap // block_n))
     if num_splits is None:
-        # Enough programs for a few per SM: flash decoding for small batches, one split when the
-        # lanes x kv heads x q blocks already fill the GPU. Splits shorter than ~2 tiles waste
-        # more on the merge than they gain.
+        # Flash decoding: enough equal programs for several waves over the SMs, so the last wave
+        # is a small share of the time (a 32-lane x 8-kv-head decode is only 256 programs).
+        # Splits of at least 2 KV tiles, and the merge's fp32 partials (written and read back:
+        # 8 bytes per T x Hq x D element per split, mostly L2-resident) at most half the KV bytes
+        # (2 x 2 per cached element): many splits for decode, fewer for verify, one for prefill.
         sms = num_sms or NUM_SMS_DEFAULT
         base_programs = num_lanes * q_blocks * num_kv_heads
-        num_splits = max(1, min(-(-4 * sms // base_programs), max_tiles // 2, 32))
+        kv_bytes = 4 * num_lanes * kv_cap * num_kv_heads * head_dim
+        partial_bytes = 8 * num_tokens * num_q_heads * head_dim
+        num_splits = min(-(-8 * sms // base_programs), max_tiles // 2, 64,
+                         kv_bytes // (2 * partial_bytes))
         if num_splits * num_tokens * num_q_heads * head_dim >= 2**31:  # int32 offsets
             num_splits = 1
+        num_splits = max(1, num_splits)
     num_splits = max(1, min(num_splits, max_tiles))
 
     if num_warps is None:
-        num_warps = 8 if block_m >= 128 else 4
+        # ptxas on sm_90 (offline, see tests): bf16 decode 120 registers, verify 186, prefill
+        # (128 rows, 8 warps) 136, no spills; fp32 (IEEE dots) needs 8 warps not to spill much.
+        num_warps = 8 if block_m >= 128 or ieee_dot else 4
     if num_stages is None:
         num_stages = 3 if block_m <= 64 else 2
     return Plan(num_tokens=num_tokens, num_lanes=num_lanes, num_q_heads=num_q_heads,
@@ -368,9 +377,9 @@ def ragged_paged_attention_triton(
     fwd, merge = _kernels()
     num_tokens, num_q_heads, head_dim = q.shape
     inputs = (q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-              cu_q_lens.astype(jnp.int32), float(sm_scale))
+              cu_q_lens.astype(jnp.int32))
     common = dict(grid=plan.grid, num_warps=plan.num_warps, num_stages=plan.num_stages,
-                  **plan.fwd_constexprs())
+                  SM_SCALE=float(sm_scale), **plan.fwd_constexprs())
     if plan.num_splits == 1:
         # Rows past cu_q_lens[-1] are never visited by a program: zero the output first.
         out, _ = jt.triton_call(
@@ -414,8 +423,8 @@ def launch_torch(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, *, sm_scal
     out = torch.zeros_like(q)
     if plan.num_splits == 1:
         lse = torch.empty((1,), dtype=torch.float32, device=q.device)
-        fwd[plan.grid](q, k_pages, v_pages, *ints, float(sm_scale), out, lse,
-                       num_warps=plan.num_warps, num_stages=plan.num_stages,
+        fwd[plan.grid](q, k_pages, v_pages, *ints, out, lse, num_warps=plan.num_warps,
+                       num_stages=plan.num_stages, SM_SCALE=float(sm_scale),
                        **plan.fwd_constexprs())
         return out
     # NaN-filled partials: a row the kernel forgot to write shows up in the test.
@@ -423,8 +432,8 @@ def launch_torch(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, *, sm_scal
                         dtype=torch.float32, device=q.device)
     lse = torch.full((plan.num_splits, num_tokens, num_q_heads), float("nan"),
                      dtype=torch.float32, device=q.device)
-    fwd[plan.grid](q, k_pages, v_pages, *ints, float(sm_scale), o_part, lse,
-                   num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.fwd_constexprs())
+    fwd[plan.grid](q, k_pages, v_pages, *ints, o_part, lse, num_warps=plan.num_warps,
+                   num_stages=plan.num_stages, SM_SCALE=float(sm_scale), **plan.fwd_constexprs())
     out = torch.full_like(q, float("nan"))
     merge[(num_tokens,)](o_part, lse, ints[2], out, num_warps=4, num_stages=1,
                          **plan.merge_constexprs())
