@@ -352,7 +352,15 @@ def _compile_sm90(plan, dtype: str):
 
     from jspec.kernels.ragged_paged_attention_triton import _kernels
 
-    fwd, _ = _kernels()
+    fwd, merge = _kernels()
+    target = GPUTarget("cuda", 90, 32)
+    if plan.num_splits > 1:  # the merge kernel must compile too
+        merge_constexprs = plan.merge_constexprs()
+        merge_signature = dict(o_part_ptr="*fp32", lse_ptr="*fp32", cu_q_lens_ptr="*i32",
+                               o_ptr=f"*{dtype}", **{k: "constexpr" for k in merge_constexprs})
+        triton.compile(ASTSource(fn=merge, signature=merge_signature, constexprs=merge_constexprs,
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in range(4)}),
+                       target=target, options=dict(num_warps=4, num_stages=1))
     names = ["q_ptr", "k_ptr", "v_ptr", "kv_lens_ptr", "page_table_ptr", "cu_q_lens_ptr",
              "o_ptr", "lse_ptr"]
     types = [f"*{dtype}"] * 3 + ["*i32"] * 3 + [
@@ -362,8 +370,7 @@ def _compile_sm90(plan, dtype: str):
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}
     compiled = triton.compile(
         ASTSource(fn=fwd, signature=signature, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
+        target=target, options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
     ptx = compiled.asm["ptx"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     info = ""
