@@ -14,6 +14,46 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _read_prompt_file(path: str) -> list[str]:
+    from jspec.prompts import first_turn, load_prompts
+    return [first_turn(r) for r in load_prompts(path)]
+
+
+def _cmd_generate(args) -> int:
+    import json
+
+    from jspec.api import LLM, SamplingParams
+
+    if not args.prompt and not args.prompts:
+        raise ValueError("give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    prompts = list(args.prompt or []) + (_read_prompt_file(args.prompts) if args.prompts else [])
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, max_lanes=args.max_lanes, max_context=args.max_context,
+              attn_impl=args.attn_impl)
+    stream = not args.json and len(prompts) == 1
+
+    def on_text(i, text):
+        print(text, end="", flush=True)
+
+    results = llm.generate(prompts, params, chat=args.chat, on_text=on_text if stream else None)
+    for i, r in enumerate(results):
+        if args.json:
+            print(json.dumps({"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
+                              "logprobs": r.logprobs, "finish_reason": r.finish_reason,
+                              "num_prompt_tokens": len(r.prompt_token_ids)}), flush=True)
+        elif stream:
+            print()
+        else:
+            print(f"=== prompt {i} ({r.finish_reason}, {len(r.token_ids)} tokens)")
+            print(r.text, flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jspec", description="Lossless DSpark speculative "
                                      "decoding for Qwen3 in JAX")
@@ -27,6 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store weights in this dtype (default: the checkpoint's)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("generate", help="generate text for prompts")
+    p.add_argument("--model", required=True, help="model directory (Hugging Face or jspec)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--prompts", help="JSONL file of {\"turns\": [...]} records (first turn used)")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the Qwen3 chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-lanes", type=int, default=8)
+    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "triton"])
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=_cmd_generate)
     return parser
 
 

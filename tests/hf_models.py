@@ -35,3 +35,34 @@ def make_hf_qwen3(cfg: Qwen3Config, out_dir: Path, seed: int = 0, std: float = 0
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
     return model
+
+
+TINY_CORPUS = """def add(a, b):
+    return a + b
+
+The quick brown fox jumps over the lazy dog. Speculative decoding keeps the target's law.
+for i in range(10):
+    print(i * i)
+class Stack:
+    def push(self, x):
+        self.items.append(x)
+""" * 20
+
+
+def write_tiny_tokenizer(out_dir: Path, vocab_size: int = 512) -> list[int]:
+    """A byte-level BPE tokenizer trained on a toy corpus, with Qwen3's chat special tokens, so a
+    tiny model directory is a complete model directory. Returns the EOS ids it declares."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TINY_CORPUS], trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    tok.save(str(Path(out_dir) / "tokenizer.json"))
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return eos

@@ -1,0 +1,255 @@
+"""The stock serving engine: host scheduler over the jitted paged programs.
+
+The host owns the truth about lanes (which request, its pages, its length) and does only the
+bookkeeping between dispatches: admitting waiting requests into free lanes, reserving pages for
+the next window of `decode_steps` tokens, preempting when the pool runs dry, and retiring
+finished requests. Each decode dispatch runs `decode_steps` tokens for all lanes on the device
+with no host synchronisation in between.
+
+Preemption is by recomputation: a preempted request frees its pages and returns to the front of
+the queue; when readmitted, its prompt and the tokens it already produced are prefilled again
+and decoding continues. Sampling keys depend only on (seed, position), so it continues with the
+same random stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jspec.config import Qwen3Config
+from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
+from jspec.qwen3 import Qwen3
+from jspec.sampling import SamplingArrays
+from jspec.steps import DecodeState, StockPrograms
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request and everything the engine learns about it."""
+    prompt_ids: list[int]
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 256
+    stop_on_eos: bool = True
+    request_id: int = 0
+    # Filled by the engine.
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "eos" | "length" | "stop" (set by a stop checker)
+    num_preemptions: int = 0
+    # Scheduling state.
+    lane: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    admitted_at: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_lanes: int = 8
+    page_size: int = 16
+    max_context: int = 4096  # prompt + generated tokens of one request
+    num_pages: int | None = None  # default: every lane can reach max_context at once
+    prefill_chunk: int = 256
+    decode_steps: int = 16  # tokens per lane per dispatch
+    attn_impl: str = "auto"
+
+    @property
+    def pages_per_lane(self) -> int:
+        return -(-self.max_context // self.page_size)
+
+    def total_pages(self) -> int:
+        return self.num_pages or self.max_lanes * self.pages_per_lane + 1
+
+
+class Engine:
+    def __init__(self, cfg: Qwen3Config, model: Qwen3, eos_ids: Sequence[int],
+                 engine_cfg: EngineConfig = EngineConfig()):
+        self.cfg, self.ecfg = cfg, engine_cfg
+        if engine_cfg.max_context > cfg.max_position_embeddings:
+            raise ValueError(f"max_context {engine_cfg.max_context} exceeds the model's "
+                             f"max_position_embeddings {cfg.max_position_embeddings}")
+        self.eos_ids = tuple(eos_ids)
+        graphdef, self.params = nnx.split(model)
+        self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,
+                                      cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        self.caches = init_kv_caches(self.cache_shape)
+        self.allocator = PageAllocator(self.cache_shape.num_pages)
+        self.programs = StockPrograms(graphdef, engine_cfg.page_size, self.eos_ids,
+                                      engine_cfg.attn_impl)
+        self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
+        self._admissions = itertools.count(1)
+        self.stats = collections.Counter()
+
+    # ---- validation ---------------------------------------------------------------------------
+
+    def check_request(self, req: Request) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ValueError("empty prompt: nothing to condition on")
+        if n >= self.ecfg.max_context:
+            raise ValueError(f"prompt of {n} tokens does not fit the maximum context of "
+                             f"{self.ecfg.max_context} tokens")
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.cfg.vocab_size})")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
+        need = self.cache_shape.pages_for(self._max_len(req))
+        if need > self.allocator.num_pages - 1:
+            raise ValueError(f"request needs {need} KV pages but the pool has only "
+                             f"{self.allocator.num_pages - 1}")
+
+    def _max_len(self, req: Request) -> int:
+        """The most tokens this request's context can ever hold (never past max_context)."""
+        return min(len(req.prompt_ids) + req.max_tokens, self.ecfg.max_context)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Request],
+                 on_update: Callable[[Request], None] | None = None) -> list[Request]:
+        """Runs the requests to completion (continuous batching); returns them, finished."""
+        for req in requests:
+            self.check_request(req)
+            # The context can never pass max_context: clamp what may still be generated.
+            req.max_tokens = self._max_len(req) - len(req.prompt_ids)
+        waiting = collections.deque(requests)
+        while waiting or any(self.lanes):
+            self._admit(waiting, on_update)
+            if any(self.lanes):
+                self._reserve_or_preempt(waiting)
+                self._decode_dispatch(on_update)
+        return list(requests)
+
+    def _admit(self, waiting: collections.deque, on_update) -> None:
+        while waiting and None in self.lanes:
+            req = waiting[0]
+            context = len(req.context_ids)
+            need = self.cache_shape.pages_for(min(context + self.ecfg.decode_steps, self._max_len(req)))
+            pages = self.allocator.allocate(need)
+            if pages is None:
+                return  # wait for pages: running lanes finish or get preempted
+            waiting.popleft()
+            req.lane, req.pages, req.admitted_at = self.lanes.index(None), pages, next(self._admissions)
+            self.lanes[req.lane] = req
+            self._prefill(req)
+            if on_update:
+                on_update(req)
+            if req.finished:
+                self._retire(req)
+
+    def _page_row(self, req: Request) -> np.ndarray:
+        row = np.full(self.ecfg.pages_per_lane, NULL_PAGE, np.int32)
+        row[:len(req.pages)] = req.pages
+        return row
+
+    def _sampling(self, reqs: Sequence[Request | None]) -> SamplingArrays:
+        live = [r if r is not None else Request([0], temperature=0.0) for r in reqs]
+        return SamplingArrays.from_lists([r.temperature for r in live], [r.top_k for r in live],
+                                         [r.top_p for r in live], [r.seed for r in live])
+
+    def _prefill(self, req: Request) -> None:
+        context = req.context_ids
+        chunk = self.ecfg.prefill_chunk
+        row = jnp.asarray(self._page_row(req))
+        sampling = self._sampling([req])
+        for start in range(0, len(context), chunk):
+            piece = context[start:start + chunk]
+            tokens = np.zeros(chunk, np.int32)
+            tokens[:len(piece)] = piece
+            self.caches, token, logprob = self.programs.prefill(
+                self.params, self.caches, jnp.asarray(tokens), jnp.int32(start),
+                jnp.int32(len(piece)), row, sampling)
+        self.stats["prefill_tokens"] += len(context)
+        self._emit(req, [int(token[0])], [float(logprob[0])])
+
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[float]) -> None:
+        for tok, lp in zip(tokens, logprobs):
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            if req.stop_on_eos and tok in self.eos_ids:
+                req.finish_reason = "eos"
+                return
+            if len(req.output_ids) >= req.max_tokens:
+                req.finish_reason = "length"
+                return
+
+    def _retire(self, req: Request) -> None:
+        self.allocator.free(req.pages)
+        req.pages = []
+        self.lanes[req.lane] = None
+        req.lane = None
+
+    def _reserve_or_preempt(self, waiting: collections.deque) -> None:
+        """Give every running lane pages for its next window; preempt the newest when short."""
+        for req in sorted((r for r in self.lanes if r), key=lambda r: r.admitted_at):
+            if req.lane is None:
+                continue  # preempted below in this pass
+            want = min(len(req.context_ids) - 1 + self.ecfg.decode_steps, self._max_len(req))
+            need = self.cache_shape.pages_for(want) - len(req.pages)
+            while need > 0:
+                pages = self.allocator.allocate(need)
+                if pages is not None:
+                    req.pages += pages
+                    break
+                victim = max((r for r in self.lanes if r), key=lambda r: r.admitted_at)
+                self._preempt(victim, waiting)
+                if victim is req:
+                    break
+
+    def _preempt(self, req: Request, waiting: collections.deque) -> None:
+        self._retire(req)
+        req.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        waiting.appendleft(req)
+
+    def _decode_dispatch(self, on_update) -> None:
+        lanes = self.lanes
+        B = len(lanes)
+        live = [r is not None for r in lanes]
+        # The last emitted token is not in the cache yet: it is the step's input.
+        state = DecodeState(
+            tokens=jnp.asarray([r.output_ids[-1] if r else 0 for r in lanes], jnp.int32),
+            lengths=jnp.asarray([len(r.context_ids) - 1 if r else 0 for r in lanes], jnp.int32),
+            page_table=jnp.asarray(np.stack([self._page_row(r) if r else
+                                             np.zeros(self.ecfg.pages_per_lane, np.int32)
+                                             for r in lanes])),
+            active=jnp.asarray(live),
+            remaining=jnp.asarray([r.max_tokens - len(r.output_ids) if r else 0 for r in lanes],
+                                  jnp.int32),
+            stop_on_eos=jnp.asarray([r.stop_on_eos if r else True for r in lanes]),
+            sampling=self._sampling(lanes),
+        )
+        self.caches, _, out_tokens, out_logprobs = self.programs.decode(
+            self.params, self.caches, state, num_steps=self.ecfg.decode_steps)
+        out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
+        self.stats["decode_dispatches"] += 1
+        for b in range(B):
+            req = lanes[b]
+            if req is None:
+                continue
+            emitted = out_tokens[b] >= 0
+            self._emit(req, out_tokens[b, emitted].tolist(), out_logprobs[b, emitted].tolist())
+            self.stats["decode_tokens"] += int(emitted.sum())
+            if on_update:
+                on_update(req)
+            if req.finished:
+                self._retire(req)

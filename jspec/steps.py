@@ -1,0 +1,164 @@
+"""The jitted programs of stock decoding over the paged cache: chunked prefill and a device-resident
+multi-step decode loop.
+
+Split once, jit once: the model is `nnx.split` at load; every program here is a pure function of
+(params, caches, metadata arrays) with the caches donated, so XLA updates the pools in place.
+Shapes are static (lanes, pages per lane, chunk size, steps per dispatch); lengths, positions,
+page tables and sampling parameters travel as arrays, so nothing recompiles after warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.kernels.kv_cache_write import write_kv
+from jspec.kernels.ragged_paged_attention import ragged_paged_attention
+from jspec.paged_cache import NULL_PAGE
+from jspec.qwen3 import Qwen3
+from jspec.sampling import SamplingArrays, sample
+
+Array = jax.Array
+
+
+def slots_for(page_table_bp: Array, lanes_t: Array, positions_t: Array, page_size: int) -> Array:
+    """Cache slot of each token: page_table[lane, pos // S] * S + pos % S."""
+    pages_t = page_table_bp[lanes_t, positions_t // page_size]
+    return pages_t * page_size + positions_t % page_size
+
+
+def paged_attention(slot_mapping_t, kv_lens_b, page_table_bp, cu_q_lens, *, max_q_len, impl,
+                    causal=True):
+    """The model's attention callback over the paged cache (tokens flattened as B=1)."""
+
+    def attend(layer_idx, q_1thk, k_1thk, v_1thk, cache):
+        k_pages, v_pages = write_kv(cache[0], cache[1], k_1thk[0], v_1thk[0], slot_mapping_t)
+        out_thk = ragged_paged_attention(
+            q_1thk[0], k_pages, v_pages, kv_lens_b, page_table_bp, cu_q_lens,
+            sm_scale=q_1thk.shape[-1] ** -0.5, causal=causal, max_q_len=max_q_len, impl=impl)
+        return out_thk[None], (k_pages, v_pages)
+
+    return attend
+
+
+def token_logprobs(logits_tv: Array, tokens_t: Array) -> Array:
+    """log p_model(token) under the raw (temperature 1, unfiltered) distribution."""
+    logp = jax.nn.log_softmax(logits_tv.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens_t[:, None], axis=-1)[:, 0]
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "lengths", "page_table", "active", "remaining",
+                                "stop_on_eos", "sampling"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Per-lane decode state, all [B] arrays except page_table [B, pages_per_lane].
+
+    tokens: the last sampled token, not yet in the cache; lengths: tokens in the cache (so the
+    next token sits at position `lengths`); remaining: tokens the lane may still emit."""
+    tokens: Array
+    lengths: Array
+    page_table: Array
+    active: Array
+    remaining: Array
+    stop_on_eos: Array
+    sampling: SamplingArrays
+
+
+class StockPrograms:
+    """Compiled-once prefill and decode programs for one model and one cache geometry."""
+
+    def __init__(self, graphdef, page_size: int, eos_ids: tuple[int, ...], attn_impl: str = "auto"):
+        self.graphdef = graphdef
+        self.page_size = page_size
+        self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
+        self.attn_impl = attn_impl
+        self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
+        self.decode = jax.jit(self._decode, donate_argnums=(1,), static_argnames=("num_steps",))
+
+    def model(self, params) -> Qwen3:
+        return nnx.merge(self.graphdef, params)
+
+    # ---- chunked prefill of one lane -------------------------------------------------------
+
+    def _prefill(self, params, caches, tokens_c: Array, start: Array, q_len: Array,
+                 page_row_p: Array, sampling: SamplingArrays):
+        """Writes tokens[:q_len] at positions start.. into the lane's pages and samples the token
+        after the last one (the host keeps it only for the final chunk).
+
+        tokens_c [C] (padded), start / q_len scalars, page_row_p [pages_per_lane], sampling of 1 lane.
+        Returns (caches, token [1], logprob [1])."""
+        chunk = tokens_c.shape[0]
+        idx_c = jnp.arange(chunk, dtype=jnp.int32)
+        valid_c = idx_c < q_len
+        positions_c = start + jnp.minimum(idx_c, q_len - 1)
+        page_table_1p = page_row_p[None]
+        slots_c = slots_for(page_table_1p, jnp.zeros_like(idx_c), positions_c, self.page_size)
+        slots_c = jnp.where(valid_c, slots_c, NULL_PAGE * self.page_size + idx_c % self.page_size)
+        attend = paged_attention(slots_c, (start + q_len)[None], page_table_1p,
+                                 jnp.stack([0, q_len]).astype(jnp.int32), max_q_len=chunk,
+                                 impl=self.attn_impl)
+        model = self.model(params)
+        hidden_1cd, _, caches = model(tokens_c[None], positions_c[None], attention=attend,
+                                      caches=caches)
+        last_1d = jax.lax.dynamic_index_in_dim(hidden_1cd[0], q_len - 1, axis=0, keepdims=True)
+        logits_1v = model.logits(last_1d)
+        token_1, _ = sample(logits_1v, sampling, (start + q_len)[None])
+        return caches, token_1, token_logprobs(logits_1v, token_1)
+
+    # ---- the device-resident decode loop ------------------------------------------------------
+
+    def _decode_step(self, params, caches, state: DecodeState):
+        num_lanes = state.tokens.shape[0]
+        lanes_b = jnp.arange(num_lanes, dtype=jnp.int32)
+        positions_b = state.lengths
+        slots_b = slots_for(state.page_table, lanes_b, positions_b, self.page_size)
+        # Idle lanes write into the null page and attend to one null slot: harmless, finite.
+        slots_b = jnp.where(state.active, slots_b, NULL_PAGE * self.page_size)
+        kv_lens_b = jnp.where(state.active, state.lengths + 1, 1)
+        attend = paged_attention(slots_b, kv_lens_b, state.page_table,
+                                 jnp.arange(num_lanes + 1, dtype=jnp.int32), max_q_len=1,
+                                 impl=self.attn_impl)
+        model = self.model(params)
+        hidden_1bd, _, caches = model(state.tokens[None], positions_b[None], attention=attend,
+                                      caches=caches)
+        logits_bv = model.logits(hidden_1bd[0])
+        new_b, _ = sample(logits_bv, state.sampling, positions_b + 1)
+        logprob_b = token_logprobs(logits_bv, new_b)
+        is_eos = jnp.any(new_b[:, None] == self.eos_ids[None], axis=-1) & state.stop_on_eos
+        emitted_b = state.active
+        remaining = jnp.where(emitted_b, state.remaining - 1, state.remaining)
+        state = dataclasses.replace(
+            state,
+            tokens=jnp.where(emitted_b, new_b, state.tokens),
+            lengths=jnp.where(emitted_b, state.lengths + 1, state.lengths),
+            remaining=remaining,
+            active=emitted_b & ~is_eos & (remaining > 0),
+        )
+        return caches, state, jnp.where(emitted_b, new_b, -1), logprob_b
+
+    def _decode(self, params, caches, state: DecodeState, *, num_steps: int):
+        """num_steps decode steps in one dispatch. Returns (caches, state, tokens [B, n] with -1
+        where a lane emitted nothing, logprobs [B, n])."""
+        num_lanes = state.tokens.shape[0]
+
+        def body(i, carry):
+            caches, state, out_tokens, out_logprobs = carry
+            caches, state, tok_b, lp_b = self._decode_step(params, caches, state)
+            return (caches, state, out_tokens.at[:, i].set(tok_b), out_logprobs.at[:, i].set(lp_b))
+
+        out_tokens = jnp.full((num_lanes, num_steps), -1, jnp.int32)
+        out_logprobs = jnp.zeros((num_lanes, num_steps), jnp.float32)
+        caches, state, out_tokens, out_logprobs = jax.lax.fori_loop(
+            0, num_steps, body, (caches, state, out_tokens, out_logprobs))
+        return caches, state, out_tokens, out_logprobs
+
+
+def compile_count(fn: Any) -> int:
+    """Compiled variants held by a jitted function (for the no-recompilation test)."""
+    return fn._cache_size()

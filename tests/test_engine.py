@@ -1,0 +1,202 @@
+"""The stock paged engine: exactness against the no-cache reference, page reuse, preemption,
+no recompilation, batch independence, stops, the API and the CLI."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jspec.config import PRESETS
+from jspec.engine import Engine, EngineConfig, Request
+from jspec.qwen3 import forward_logits, init_random
+from jspec.simple_generate import greedy_generate
+from jspec.steps import compile_count
+
+CFG = PRESETS["tiny-untied"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = init_random(CFG, seed=1)
+    # Larger weights than the init so that greedy outputs vary instead of repeating one token.
+    nnx.update(m, jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, nnx.state(m)))
+    return m
+
+
+def _engine(model, **kw):
+    base = dict(max_lanes=3, page_size=8, max_context=128, prefill_chunk=16, decode_steps=5,
+                attn_impl="xla")
+    base.update(kw)
+    return Engine(CFG, model, eos_ids=(), engine_cfg=EngineConfig(**base))
+
+
+def _requests(specs, temperature=0.0, seed0=0):
+    rng = np.random.default_rng(7)
+    return [Request(rng.integers(0, CFG.vocab_size, n).tolist(), temperature=temperature,
+                    max_tokens=m, seed=seed0 + i, request_id=i) for i, (n, m) in enumerate(specs)]
+
+
+SPECS = [(5, 20), (20, 7), (33, 12), (9, 30), (3, 1), (17, 16)]
+
+
+def test_greedy_matches_no_cache_reference_under_continuous_batching(model):
+    eng = _engine(model)
+    reqs = eng.generate(_requests(SPECS))
+    for r in reqs:
+        assert r.finish_reason == "length"
+        assert r.output_ids == greedy_generate(model, r.prompt_ids, r.max_tokens), r.request_id
+    assert len({t for r in reqs for t in r.output_ids}) > 10
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1  # every page came back
+
+
+def test_logprobs_are_the_models(model):
+    eng = _engine(model)
+    (r,) = eng.generate(_requests([(6, 9)], temperature=1.0))
+    tokens = np.asarray([r.prompt_ids + r.output_ids])
+    logits, _ = forward_logits(model, tokens)
+    logp = jax.nn.log_softmax(np.asarray(logits[0]), axis=-1)
+    ref = [float(logp[len(r.prompt_ids) - 1 + i, t]) for i, t in enumerate(r.output_ids)]
+    np.testing.assert_allclose(r.logprobs, ref, atol=1e-4)
+
+
+def test_reused_pages_give_fresh_engine_outputs(model):
+    eng = _engine(model, max_lanes=1)
+    first, second = _requests([(30, 25), (12, 20)], temperature=1.0)
+    eng.generate([first])
+    reused_pages_before = eng.allocator.num_free
+    eng.generate([second])
+    fresh = _engine(model, max_lanes=1).generate(_requests([(30, 25), (12, 20)], temperature=1.0)[1:])
+    assert second.output_ids == fresh[0].output_ids
+    assert reused_pages_before == eng.allocator.num_pages - 1
+
+
+def test_preemption_when_the_pool_is_full_keeps_outputs(model):
+    # 3 lanes but only 12 usable pages of 8 tokens: long requests cannot all run at once.
+    specs = [(40, 40), (30, 45), (35, 30), (20, 50)]
+    small = _engine(model, num_pages=13)
+    got = small.generate(_requests(specs, temperature=0.8))
+    assert small.stats["preemptions"] > 0
+    ref = _engine(model).generate(_requests(specs, temperature=0.8))
+    for a, b in zip(got, ref):
+        assert a.output_ids == b.output_ids
+    assert small.allocator.num_free == 12
+
+
+def test_request_larger_than_pool_is_refused(model):
+    eng = _engine(model, num_pages=4)
+    with pytest.raises(ValueError, match="pages"):
+        eng.generate(_requests([(30, 40)]))
+
+
+def test_no_recompilation_after_warmup(model):
+    eng = _engine(model)
+    eng.generate(_requests([(10, 6)]))
+    counts = (compile_count(eng.programs.prefill), compile_count(eng.programs.decode))
+    eng.generate(_requests([(3, 2), (40, 11), (17, 30), (1, 5), (25, 9)], temperature=0.7))
+    eng.generate([Request([1, 2, 3], temperature=1.0, top_k=5, top_p=0.9, max_tokens=8)])
+    assert (compile_count(eng.programs.prefill), compile_count(eng.programs.decode)) == counts
+
+
+def test_seeded_request_alone_or_batched_gives_same_tokens(model):
+    target = Request([5, 6, 7, 8], temperature=1.0, top_k=40, top_p=0.9, seed=1234, max_tokens=24)
+    alone = _engine(model).generate([target])[0].output_ids
+    others = _requests([(9, 30), (20, 10), (4, 25)], temperature=1.0, seed0=99)
+    mixed = _engine(model).generate(others[:2] + [Request([5, 6, 7, 8], temperature=1.0, top_k=40,
+                                                          top_p=0.9, seed=1234, max_tokens=24)]
+                                    + others[2:])
+    assert mixed[2].output_ids == alone
+    other_seed = _engine(model).generate([Request([5, 6, 7, 8], temperature=1.0, top_k=40,
+                                                  top_p=0.9, seed=1235, max_tokens=24)])
+    assert other_seed[0].output_ids != alone  # the seed matters
+
+
+def test_eos_stops_a_request(model):
+    (probe,) = _engine(model).generate(_requests([(8, 12)]))
+    eos = probe.output_ids[5]
+    first = probe.output_ids.index(eos)
+    eng = Engine(CFG, model, eos_ids=(eos,), engine_cfg=EngineConfig(
+        max_lanes=2, page_size=8, max_context=128, prefill_chunk=16, decode_steps=5, attn_impl="xla"))
+    (r,) = eng.generate(_requests([(8, 12)]))
+    assert r.finish_reason == "eos" and r.output_ids == probe.output_ids[:first + 1]
+    (r2,) = eng.generate([Request(r.prompt_ids, temperature=0.0, max_tokens=12, stop_on_eos=False)])
+    assert r2.output_ids == probe.output_ids and r2.finish_reason == "length"
+
+
+@pytest.mark.parametrize("bad,message", [([], "empty prompt"), (list(range(200)), "maximum context"),
+                                         ([CFG.vocab_size], "outside the vocabulary")])
+def test_bad_prompts_are_refused(model, bad, message):
+    with pytest.raises(ValueError, match=message):
+        _engine(model).generate([Request(bad, max_tokens=4)])
+
+
+# ---- API and CLI on a complete tiny model directory ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from hf_models import make_hf_qwen3, write_tiny_tokenizer
+    d = tmp_path_factory.mktemp("tiny-llm")
+    make_hf_qwen3(CFG, d, seed=5, std=0.3)
+    write_tiny_tokenizer(d, CFG.vocab_size)
+    return d
+
+
+def test_api_generate_text_ids_logprobs_and_stop_strings(tiny_dir):
+    from jspec.api import LLM, SamplingParams
+    llm = LLM(tiny_dir, max_lanes=2, max_context=128, attn_impl="xla")
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    a, b = llm.generate(["def add(a, b):", "The quick brown"], greedy)
+    assert a.token_ids and len(a.logprobs) == len(a.token_ids) and a.finish_reason == "length"
+    assert a.text == llm.tokenizer.decode(a.token_ids)
+    # A stop string taken from the middle of the greedy text cuts it there.
+    stop = a.text[len(a.text) // 2:len(a.text) // 2 + 2]
+    assert stop and stop.strip()
+    (c,) = llm.generate(["def add(a, b):"], SamplingParams(temperature=0.0, max_tokens=24,
+                                                           ignore_eos=True, stop=(stop,)))
+    assert c.finish_reason == "stop" and c.text == a.text[:a.text.find(stop)]
+    assert c.token_ids == a.token_ids[:len(c.token_ids)]
+    streamed = []
+    (d,) = llm.generate(["The quick brown"], greedy, on_text=lambda i, t: streamed.append(t))
+    assert "".join(streamed) == d.text == b.text and len(streamed) > 1
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5),
+                                         ("top_k", -1), ("max_tokens", 0)])
+def test_sampling_params_are_validated(field, value):
+    from jspec.api import SamplingParams
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_cli_generate_json(tiny_dir, capsys):
+    from jspec.cli import main
+    args = ["generate", "--model", str(tiny_dir), "--prompt", "def f(x):", "--prompt", "class A:",
+            "--max-tokens", "6", "--seed", "3", "--temperature", "0.9", "--top-k", "50",
+            "--attn-impl", "xla", "--max-context", "128", "--json"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["prompt"] for r in records] == ["def f(x):", "class A:"]
+    assert all(1 <= len(r["token_ids"]) <= 6 and "text" in r for r in records)
+    assert main(args) == 0  # seeded: the same again
+    assert [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()] == records
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"), (["--top-k", "-2"], "top_k"),
+    (["--prompt", ""], "empty"), (["--prompt", "x " * 400], "maximum context")])
+def test_cli_generate_bad_input_one_line_error(tiny_dir, capsys, extra, message):
+    from jspec.cli import main
+    args = ["generate", "--model", str(tiny_dir), "--max-context", "128", "--attn-impl", "xla"]
+    if "--prompt" not in extra:
+        args += ["--prompt", "hi"]
+    assert main(args + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_cli_generate_not_a_model_dir(tmp_path, capsys):
+    from jspec.cli import main
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
+    assert "not a model directory" in capsys.readouterr().err
