@@ -10,6 +10,10 @@ Implementations behind `impl`:
   "triton"     ragged_paged_attention_triton.py: split-K paged kernel through jax-triton (GPU).
   "pallas_tpu" not written (see kernels/__init__.py).
   "auto"       triton on GPU (xla if jax-triton is missing), xla elsewhere.
+
+`max_q_len` is a static bound on every lane's q_len that kernels tile by (1 decode, k+1 verify,
+the chunk for prefill); None means T. Queries of a lane beyond it are not computed, so it must
+really bound them. kv_len >= q_len is assumed; a query with no visible key gets zeros.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ def ragged_paged_attention_xla(
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_lanes, pages_per_lane = page_table.shape
     group = num_q_heads // num_kv_heads
-    max_q = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
+    max_q = num_tokens if max_q_len is None else max(1, min(max_q_len, num_tokens))
     kv_cap = pages_per_lane * page_size
 
     kv_lens = kv_lens.astype(jnp.int32)
