@@ -62,6 +62,7 @@ class Case:
 
 CASES = [
     Case("decode_ps16_g4", (1, 1, 1, 0), (1, 17, 40, 9), max_q_len=1),
+    Case("decode_long_ps16_heuristic_split", (1, 0), (700, 0), max_q_len=1),  # plan splits
     Case("decode_ps32_g1_split", (1, 1, 1), (33, 95, 64), page_size=32, group=1, max_q_len=1,
          overrides=(("num_splits", 3), ("block_n", 16))),
     Case("verify_ps16_g4", (8, 8, 0, 8), (8, 50, 33, 100), max_q_len=8),
@@ -319,6 +320,12 @@ def test_triton_plan_heuristics():
 
     common = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, causal=True, ieee_dot=False,
                   num_sms=132)
+    # The CPU case that relies on the heuristic really splits.
+    c = next(c for c in CASES if c.name == "decode_long_ps16_heuristic_split")
+    p = make_plan(num_tokens=sum(c.q_lens) + c.pad_tokens, num_lanes=2, num_q_heads=8,
+                  num_kv_heads=2, head_dim=64, page_size=16, pages_per_lane=45, max_q_len=1,
+                  causal=True, ieee_dot=True)
+    assert p.num_splits > 1
     # Verify: all 8 queries x 4 heads of a kv head in one 32-row tile, one q block per lane.
     p = make_plan(num_tokens=256, num_lanes=32, page_size=16, pages_per_lane=256, max_q_len=8,
                   **common)
