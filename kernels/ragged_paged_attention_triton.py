@@ -28,13 +28,12 @@ import numpy as np
 import triton
 import triton.language as tl
 
-LOG2_E = 1.4426950408889634
 NUM_SMS_DEFAULT = 132  # H100 / H200
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels. Plain functions, wrapped by triton.jit (GPU) or the interpreter (CPU) in _kernels().
-# Keep them self-contained (no calls to helper functions) so both wrappers see the same code.
+# Kernels: plain functions, wrapped by triton.jit in _kernels() (compiled for the GPU, or run by
+# the interpreter under TRITON_INTERPRET=1). Self-contained: no calls to helper functions.
 # ----------------------------------------------------------------------------------------------
 
 def _rpa_fwd_kernel(
@@ -391,7 +390,8 @@ def ragged_paged_attention_triton(
     o_part, lse = jt.triton_call(
         *inputs, kernel=fwd, name="rpa_fwd_split",
         out_shape=(
-            jax.ShapeDtypeStruct((plan.num_splits, num_tokens, num_q_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((plan.num_splits, num_tokens, num_q_heads, head_dim),
+                                 jnp.float32),
             jax.ShapeDtypeStruct((plan.num_splits, num_tokens, num_q_heads), jnp.float32)),
         **common)
     return jt.triton_call(
