@@ -11,23 +11,27 @@ The processed distribution (`processed_logprobs`), exactly:
      counted with multiplicity. Ties at t_k are all kept, so more than k tokens may survive
      (same rule as HF `TopKLogitsWarper` / vLLM). -0.0 and +0.0 count as equal.
   3. top-p (0 < top_p < 1): pi = softmax(x restricted to the top-k survivors) in fp32. Keep v iff
-     pi_v >= tau, where tau is the largest float with  sum_{w: pi_w >= tau} pi_w >= top_p  (the sum
-     is an fp32 reduction over the vocabulary). In words: sort pi descending, take the shortest
-     prefix whose mass reaches top_p, then also keep every token whose fp32 pi equals the last
-     one in that prefix (ties kept, as for top-k). The argmax always survives (tau is clamped to
-     max pi), so top_p -> 0 means "argmax and its ties".
+     x_v >= x_(m), where x_(1) >= x_(2) >= ... is x sorted descending and m is the shortest
+     prefix whose mass pi_(1) + ... + pi_(m) reaches top_p (an fp32 sum). Ties with x_(m) are
+     kept, as for top-k. The argmax always survives, so top_p -> 0 means "argmax and its ties".
   4. renormalise: log-softmax over the survivors; filtered tokens get exactly -inf.
   5. greedy lanes (temperature <= SAMPLING_EPS): one-hot at argmax(logits), i.e. log-prob 0 at
      the argmax and -inf elsewhere; top-k / top-p are ignored. Ties in the argmax go to the
      lowest token id (`jnp.argmax`).
 
-How it is computed without a sort: both thresholds are found by a bitwise binary search over
-float32 bit patterns (the tpu-inference / T5X trick). For top-k the search runs over the
-order-preserving uint32 image of x and counts `key >= candidate` (32 vocab passes); for top-p it
-runs over the bits of pi in [0, 1] (non-negative floats order like their int32 bits) and sums
-the mass above the candidate (30 vocab passes). Each pass is one fused compare+reduce over
-[..., V]; there is no sort, gather or scatter. Each search is skipped with `lax.cond` when no
-lane in the batch uses that filter, so plain temperature sampling costs one log-softmax.
+How it is computed without a full sort, per lane (the choice depends only on the lane's own
+parameters, never on the batch):
+  * 0 < top_k <= CANDIDATE_TOP_K (64; Qwen3's default is 20): candidate path. The row is cut
+    into chunks of 128; `lax.top_k` over the chunk maxima picks the 64 chunks that must hold the
+    top 64 values (see `_candidate_top_k_top_p` for why this is exact, ties included); one
+    `lax.top_k` over those 8192 candidates gives the k-th value, and a cumsum over the sorted
+    survivors gives the top-p cut. About four vocab passes in all.
+  * larger top_k, or top-p without top-k: a bitwise binary search over the order-preserving
+    uint32 image of x (the tpu-inference / T5X trick): 32 compare+count passes for top-k, 32
+    masked-sum passes for top-p. No sort, gather or scatter over the vocabulary.
+  Each path is skipped with `lax.cond` when no lane in the batch needs it, so plain temperature
+  sampling costs one log-softmax. The two paths compute the same cut up to the order of the fp32
+  mass summation, which matters only when a prefix mass is within rounding of top_p.
 
 The public functions are `jax.jit`-wrapped so that eager calls are fast; inside an outer jit
 they simply inline.
@@ -58,6 +62,9 @@ PURPOSE_ACCEPT = 2  # the acceptance uniform of the draft at `position`
 PURPOSE_RESIDUAL = 3  # the verifier's own token at `position`: residual or bonus
 
 _MAX_SEED = 2**32
+
+CANDIDATE_TOP_K = 64  # lanes with 0 < top_k <= this use the few-pass candidate path
+_CHUNK = 128  # vocabulary chunk of the candidate preselection (151936 = 1187 * 128)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,48 +178,88 @@ def _lane_param(param, ndim: int):
 
 
 def _ordered_uint32(x_f32):
-    """Order-preserving map float32 -> uint32 (a < b  <=>  key(a) < key(b); -0 == +0)."""
+    """Order-preserving map float32 -> uint32 (a < b  <=>  key(a) < key(b); -0 == +0).
+
+    Every float, -inf included, maps above 0, so the key 0 means "keep everything".
+    """
     x_f32 = jnp.where(x_f32 == 0.0, 0.0, x_f32)  # -0.0 -> +0.0 so the two tie
     bits = lax.bitcast_convert_type(x_f32, jnp.uint32)
     negative = (bits >> 31) == 1
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _top_k_keep(x_f32, top_k, use_top_k):
-    """Bool [..., V]: x >= (k-th largest x, with multiplicity). 32 compare+count passes."""
-    key_u32 = _ordered_uint32(x_f32)
-    k = jnp.where(use_top_k, top_k, 1).astype(jnp.int32)  # [..., 1]
-    threshold = jnp.zeros(key_u32.shape[:-1] + (1,), jnp.uint32)
+def _bit_search(threshold_shape, holds):
+    """Largest uint32 t with holds(t), for a predicate that holds at 0 and is monotone
+    (true up to some t*, false above). Sets bits from the top: 32 predicate evaluations."""
 
-    # Invariant: count(key >= threshold) >= k. Set bits from the top while it still holds, so the
-    # result is the largest such threshold, i.e. exactly the k-th largest key.
     def set_bit(i, threshold):
         candidate = threshold | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
-        count = jnp.sum(key_u32 >= candidate, axis=-1, keepdims=True, dtype=jnp.int32)
-        return jnp.where(count >= k, candidate, threshold)
+        return jnp.where(holds(candidate), candidate, threshold)
 
-    threshold = lax.fori_loop(0, 32, set_bit, threshold)
-    return (key_u32 >= threshold) | ~use_top_k
+    return lax.fori_loop(0, 32, set_bit, jnp.zeros(threshold_shape, jnp.uint32))
 
 
-def _top_p_keep(x_f32, top_p, use_top_p):
-    """Bool [..., V]: the nucleus of softmax(x) (x is -inf where top-k removed). 30 passes."""
+def _search_top_k(x_f32, top_k):
+    """Key [..., 1] of the k-th largest x (with multiplicity): 32 compare+count vocab passes."""
+
+    def at_least_k_above(candidate):
+        count = jnp.sum(_ordered_uint32(x_f32) >= candidate, axis=-1, keepdims=True,
+                        dtype=jnp.int32)
+        return count >= top_k
+
+    return _bit_search(x_f32.shape[:-1] + (1,), at_least_k_above)
+
+
+def _search_top_p(x_f32, top_p):
+    """Key [..., 1] of the nucleus cut of softmax(x) (x = -inf where top-k removed): the
+    largest t with mass(key(x) >= t) >= top_p. 32 masked-sum vocab passes."""
     x_max = jnp.max(x_f32, axis=-1, keepdims=True)
     unnorm = jnp.exp(x_f32 - x_max)
-    probs = unnorm / jnp.sum(unnorm, axis=-1, keepdims=True)  # pi, fp32, in [0, 1]
-    bits = lax.bitcast_convert_type(probs, jnp.int32)  # non-negative floats order as int32
-    threshold = jnp.zeros(bits.shape[:-1] + (1,), jnp.int32)
+    probs = unnorm / jnp.sum(unnorm, axis=-1, keepdims=True)
 
-    # Invariant: mass(pi >= threshold) >= top_p. 1.0f is 0x3F800000 < 2**30: 30 bits suffice.
-    def set_bit(i, threshold):
-        candidate = threshold | (jnp.int32(1) << (29 - i))
-        mass = jnp.sum(jnp.where(bits >= candidate, probs, 0.0), axis=-1, keepdims=True)
-        return jnp.where(mass >= top_p, candidate, threshold)
+    def mass_reaches_top_p(candidate):
+        above = _ordered_uint32(x_f32) >= candidate
+        return jnp.sum(jnp.where(above, probs, 0.0), axis=-1, keepdims=True) >= top_p
 
-    threshold = lax.fori_loop(0, 30, set_bit, threshold)
-    max_bits = jnp.max(bits, axis=-1, keepdims=True)
-    threshold = jnp.minimum(threshold, max_bits)  # always keep the argmax
-    return ((bits >= threshold) & (x_f32 > -jnp.inf)) | ~use_top_p
+    threshold = _bit_search(x_f32.shape[:-1] + (1,), mass_reaches_top_p)
+    return jnp.minimum(threshold, _ordered_uint32(x_max))  # always keep the argmax
+
+
+def _candidate_top_k_top_p(x_f32, top_k, top_p, use_top_p):
+    """Key [..., 1] of the top-k (then top-p) cut for 1 <= top_k <= CANDIDATE_TOP_K, exactly,
+    from a few vocab passes instead of 64.
+
+    Split the vocabulary into chunks of _CHUNK. The cap chunks with the largest maxima hold
+    every value above the cap-th largest chunk max, and at least cap values >= it, so their
+    union has the same top-cap values (with multiplicity) as the whole row: the k-th largest
+    is exact. Survivors outside the union can only equal the k-th value (ties), which the
+    final `x >= threshold` mask keeps, and which `z` counts in the nucleus mass.
+    """
+    cap = CANDIDATE_TOP_K
+    vocab = x_f32.shape[-1]
+    num_chunks = -(-vocab // _CHUNK)
+    if num_chunks <= cap:  # small vocabulary: every chunk would be picked
+        candidates = x_f32
+    else:
+        pad = [(0, 0)] * (x_f32.ndim - 1) + [(0, num_chunks * _CHUNK - vocab)]
+        chunks = jnp.pad(x_f32, pad, constant_values=-jnp.inf)
+        chunks = chunks.reshape(x_f32.shape[:-1] + (num_chunks, _CHUNK))
+        _, best_chunks = lax.top_k(jnp.max(chunks, axis=-1), cap)
+        candidates = jnp.take_along_axis(chunks, best_chunks[..., None], axis=-2)
+        candidates = candidates.reshape(x_f32.shape[:-1] + (cap * _CHUNK,))
+    top_values, _ = lax.top_k(candidates, min(cap, candidates.shape[-1]))  # descending
+    k_threshold = jnp.take_along_axis(top_values, jnp.clip(top_k, 1, cap) - 1, axis=-1)
+
+    # Nucleus of the top-k survivors, in the sorted order of top_values.
+    x_max = top_values[..., :1]
+    z = jnp.sum(jnp.where(x_f32 >= k_threshold, jnp.exp(x_f32 - x_max), 0.0), axis=-1,
+                keepdims=True)
+    probs = jnp.where(top_values >= k_threshold, jnp.exp(top_values - x_max), 0.0) / z
+    reached = jnp.cumsum(probs, axis=-1) >= top_p
+    first = jnp.argmax(reached, axis=-1, keepdims=True)
+    p_threshold = jnp.where(jnp.any(reached, axis=-1, keepdims=True),
+                            jnp.take_along_axis(top_values, first, axis=-1), k_threshold)
+    return _ordered_uint32(jnp.where(use_top_p, p_threshold, k_threshold))
 
 
 def _log_softmax(x_f32):
@@ -236,24 +283,29 @@ def processed_logprobs(logits, temperature, top_k, top_p, greedy):
         _lane_param(a, ndim) for a in (temperature, top_k, top_p, greedy)
     )
     greedy = greedy.astype(bool)
+    top_k = top_k.astype(jnp.int32)
+    top_p = top_p.astype(jnp.float32)
     temperature = jnp.where(greedy, 1.0, temperature.astype(jnp.float32))
     x_f32 = logits_f32 / temperature
 
+    # Which lane takes which path depends on its own parameters only, so a request's law never
+    # depends on its batch. Each path is skipped with lax.cond when no lane needs it.
     use_top_k = (top_k > 0) & (top_k < vocab) & ~greedy
     use_top_p = (top_p < 1.0) & ~greedy
-    # Skip each search entirely when no lane uses that filter (the common T-only case).
-    keep = lax.cond(
-        jnp.any(use_top_k),
-        lambda: _top_k_keep(x_f32, top_k, use_top_k),
-        lambda: jnp.ones(x_f32.shape, bool),
-    )
-    x_f32 = jnp.where(keep, x_f32, -jnp.inf)
-    keep = lax.cond(
-        jnp.any(use_top_p),
-        lambda: _top_p_keep(x_f32, top_p.astype(jnp.float32), use_top_p),
-        lambda: jnp.ones(x_f32.shape, bool),
-    )
-    x_f32 = jnp.where(keep, x_f32, -jnp.inf)
+    small_k = use_top_k & (top_k <= CANDIDATE_TOP_K)  # top-k and its top-p from candidates
+    large_k = use_top_k & ~small_k  # top-k by bit search
+    searched_p = use_top_p & ~small_k  # top-p by bit search (after a large top-k, if any)
+    no_cut = jnp.zeros(x_f32.shape[:-1] + (1,), jnp.uint32)  # key 0 keeps everything
+
+    def only(lanes, cut_fn):
+        return lax.cond(jnp.any(lanes), lambda: jnp.where(lanes, cut_fn(), no_cut),
+                        lambda: no_cut)
+
+    cut = only(small_k, lambda: _candidate_top_k_top_p(x_f32, top_k, top_p, use_top_p))
+    k_cut = only(large_k, lambda: _search_top_k(x_f32, top_k))
+    x_f32 = jnp.where(_ordered_uint32(x_f32) >= jnp.maximum(cut, k_cut), x_f32, -jnp.inf)
+    p_cut = only(searched_p, lambda: _search_top_p(x_f32, top_p))
+    x_f32 = jnp.where(_ordered_uint32(x_f32) >= p_cut, x_f32, -jnp.inf)
     sampled_logprobs = _log_softmax(x_f32)
 
     argmax = jnp.argmax(logits_f32, axis=-1, keepdims=True)

@@ -165,14 +165,17 @@ def test_wrapper_matches_core_and_a_request_is_independent_of_its_batch():
         alone = rejection_sample(target_logits[lane:lane + 1], draft_lp[lane:lane + 1],
                                  drafts[lane:lane + 1], num_draft[lane:lane + 1], one,
                                  positions[lane:lane + 1])
-        for a, b in zip(alone, out):
-            np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[lane]))
+        np.testing.assert_array_equal(alone.tokens[0], out.tokens[lane])
+        np.testing.assert_array_equal(alone.num_emitted[0], out.num_emitted[lane])
+        # XLA may fuse differently per batch shape: log-probs agree to an ulp, not bit-for-bit
+        np.testing.assert_allclose(alone.logprobs[0], out.logprobs[lane], rtol=1e-6)
     # the emitted log-probs are the processed target's
     target_lp = np.asarray(sampling.process(target_logits, arrays))
     tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
     for lane in range(lanes):
         for i in range(n[lane]):
-            assert logprobs[lane, i] == target_lp[lane, i, tokens[lane, i]]
+            np.testing.assert_allclose(logprobs[lane, i], target_lp[lane, i, tokens[lane, i]],
+                                       rtol=1e-6)
     # K = 0 degenerates to one plain draw from p_0
     plain = rejection_sample(target_logits[:, :1], draft_lp[:, :0], drafts[:, :0], num_draft,
                              arrays, positions)

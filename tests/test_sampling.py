@@ -170,31 +170,50 @@ def _sort_reference(row, temperature, top_k, top_p):
         keep = x >= np.sort(x)[::-1][top_k - 1]
     x = np.where(keep, x, -np.inf)
     if top_p < 1.0:
-        pi = np.exp(x - x.max())
+        order = np.sort(x)[::-1]
+        pi = np.exp(order - order[0])
         pi /= pi.sum()
-        order = np.sort(pi)[::-1]
-        last = np.searchsorted(np.cumsum(order), top_p)  # first prefix with mass >= top_p
-        keep &= pi >= order[min(last, len(order) - 1)]
+        last = np.searchsorted(np.cumsum(pi), top_p)  # shortest prefix with mass >= top_p
+        keep &= x >= order[min(last, len(order) - 1)]
+    keep &= x > -np.inf
     x = np.where(keep, x, -np.inf)
     return keep, x - np.log(np.sum(np.exp(x - x.max()))) - x.max()
 
 
-def test_matches_a_sort_based_reference_on_random_rows():
-    rng = np.random.default_rng(3)
-    rows, vocab = 256, 64
-    # Half the rows have integer logits so that top-k / top-p ties really occur.
+@pytest.mark.parametrize("vocab,integer_logits", [(64, False), (64, True), (9000, True),
+                                                  (9000, False)])
+def test_matches_a_sort_based_reference_on_random_rows(vocab, integer_logits):
+    """Both filter paths (candidates for top_k <= 64, bit search otherwise) against the
+    sort-based definition; integer logits make top-k and top-p ties frequent, also across the
+    128-token chunks of the candidate path (which preselects chunks once V > 64 * 128)."""
+    rng = np.random.default_rng(vocab + integer_logits)
+    rows = 192 if vocab < 1000 else 48
     logits = rng.normal(size=(rows, vocab)) * 2
-    logits[::2] = np.round(logits[::2])
+    if integer_logits:
+        logits = np.round(logits)
     logits = logits.astype(np.float32)
+    logits[::7, -vocab // 5:] = -np.inf  # masked vocabulary (e.g. padding ids)
     temp = rng.uniform(0.3, 1.5, rows).astype(np.float32)
-    top_k = rng.choice([0, 1, 2, 5, 17, 63, 64, 100], rows).astype(np.int32)
+    top_k = rng.choice([0, 1, 2, 5, 20, 64, 65, 150, vocab - 1, vocab + 5], rows).astype(np.int32)
     top_p = rng.choice([1.0, 0.95, 0.8, 0.5, 0.2, 0.01], rows).astype(np.float32)
-    got = np.asarray(jax.jit(sampling.processed_logprobs)(
-        logits, temp, top_k, top_p, np.zeros(rows, bool)))
+    got = np.asarray(sampling.processed_logprobs(logits, temp, top_k, top_p, np.zeros(rows, bool)))
     for i in range(rows):
         keep, want = _sort_reference(logits[i], temp[i], top_k[i], top_p[i])
         np.testing.assert_array_equal(np.isfinite(got[i]), keep, err_msg=f"row {i}")
         np.testing.assert_allclose(got[i][keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_candidate_and_search_paths_agree():
+    rng = np.random.default_rng(7)
+    rows, vocab = 32, 9000  # > 64 chunks of 128: the chunk preselection runs
+    x = jnp.asarray(np.round(rng.normal(size=(rows, vocab)) * 3) / 2, jnp.float32)
+    top_k = jnp.asarray(rng.integers(1, 65, size=(rows, 1)), jnp.int32)
+    top_p = jnp.asarray(rng.choice([0.3, 0.6, 0.9, 0.99], size=(rows, 1)), jnp.float32)
+    cand_k = sampling._candidate_top_k_top_p(x, top_k, top_p, jnp.zeros((rows, 1), bool))
+    np.testing.assert_array_equal(cand_k, sampling._search_top_k(x, top_k))
+    cand_kp = sampling._candidate_top_k_top_p(x, top_k, top_p, jnp.ones((rows, 1), bool))
+    x_k = jnp.where(sampling._ordered_uint32(x) >= cand_k, x, -jnp.inf)
+    np.testing.assert_array_equal(cand_kp, sampling._search_top_p(x_k, top_p))
 
 
 def test_changing_parameters_does_not_recompile():
@@ -295,6 +314,6 @@ def test_a_request_does_not_depend_on_its_lane_or_batch():
         (tokens, logprobs), drafts = both(batch_logits, batch_arrays,
                                           jnp.array([9, 9, 9, position, 9]))
         assert int(token[0]) == int(tokens[3]) and int(draft[0]) == int(drafts[3])
-        assert float(logprob[0]) == float(logprobs[3])
+        np.testing.assert_allclose(float(logprob[0]), float(logprobs[3]), rtol=1e-6)  # fusion
         seen.add(int(token[0]))
     assert len(seen) > 1  # the position really changes the draw
