@@ -209,11 +209,14 @@ def test_candidate_and_search_paths_agree():
     x = jnp.asarray(np.round(rng.normal(size=(rows, vocab)) * 3) / 2, jnp.float32)
     top_k = jnp.asarray(rng.integers(1, 65, size=(rows, 1)), jnp.int32)
     top_p = jnp.asarray(rng.choice([0.3, 0.6, 0.9, 0.99], size=(rows, 1)), jnp.float32)
+    x_max = jnp.max(x, axis=-1, keepdims=True)
     cand_k = sampling._candidate_top_k_top_p(x, top_k, top_p, jnp.zeros((rows, 1), bool))
-    np.testing.assert_array_equal(cand_k, sampling._search_top_k(x, top_k))
     cand_kp = sampling._candidate_top_k_top_p(x, top_k, top_p, jnp.ones((rows, 1), bool))
-    x_k = jnp.where(sampling._ordered_uint32(x) >= cand_k, x, -jnp.inf)
-    np.testing.assert_array_equal(cand_kp, sampling._search_top_p(x_k, top_p))
+    for bits_per_pass in (1, 2, 4, 8):  # the search is exact whatever its radix
+        search_k = sampling._search_top_k(x, top_k, bits_per_pass)
+        np.testing.assert_array_equal(cand_k, search_k)
+        search_kp = sampling._search_top_p(x, x_max, top_p, search_k, bits_per_pass)
+        np.testing.assert_array_equal(cand_kp, search_kp)
 
 
 def test_changing_parameters_does_not_recompile():
