@@ -55,30 +55,31 @@ def _get_path(tree: dict, path: tuple):
     return tree
 
 
-def load_hf_weights(model_dir: str | Path, cfg: Qwen3Config, *, progress: bool = False,
-                    device: jax.Device | None = None) -> Qwen3:
-    """Stream a safetensors checkpoint into a Qwen3 module on `device` (default: the first)."""
+def stream_safetensors(model_dir: str | Path, abstract_module: nnx.Module,
+                       expected: dict[str, tuple[tuple[int, ...], tuple]], *,
+                       optional: frozenset[str] = frozenset(), progress: bool = False,
+                       device: jax.Device | None = None):
+    """Fill `abstract_module` (ShapeDtypeStructs) from a safetensors checkpoint.
+
+    `expected` maps checkpoint keys to (shape in the checkpoint, param path); every one must be
+    present with that shape, and nothing else may be, except keys in `optional` (returned
+    unread as TensorInfos for the caller to check). Headers are validated before any weight is
+    read; then tensors stream one at a time from disk to the device."""
     model_dir = Path(model_dir)
-    expected = checkpoint_shapes(cfg)
     infos = index_checkpoint(model_dir)
-    # A tied checkpoint may still carry lm_head.weight; it must then equal the embedding.
-    tied_head = cfg.tie_word_embeddings and "lm_head.weight" in infos
     missing = sorted(set(expected) - set(infos))
-    extra = sorted(set(infos) - set(expected) - ({"lm_head.weight"} if tied_head else set()))
+    extra = sorted(set(infos) - set(expected) - optional)
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor(s) {_names(missing)}")
     if extra:
         raise CheckpointError(f"{model_dir}: unexpected tensor(s) {_names(extra)} "
-                              "(not part of this Qwen3 config)")
+                              "(not part of this config)")
     for name, (shape, _) in expected.items():
         if tuple(infos[name].shape) != shape:
             raise CheckpointError(f"tensor {name!r} has shape {list(infos[name].shape)}, "
                                   f"expected {list(shape)} for this config")
-    if tied_head and tuple(infos["lm_head.weight"].shape) != expected["model.embed_tokens.weight"][0]:
-        raise CheckpointError("tensor 'lm_head.weight' of a tied checkpoint has the wrong shape")
-
     device = device or jax.devices()[0]
-    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    graphdef, abstract_state = nnx.split(abstract_module)
     params = nnx.to_pure_dict(abstract_state)
     # File and offset order: sequential reads through each shard.
     order = sorted(expected, key=lambda n: (str(infos[n].file), infos[n].begin))
@@ -91,13 +92,31 @@ def load_hf_weights(model_dir: str | Path, cfg: Qwen3Config, *, progress: bool =
         if value.dtype != target.dtype:
             value = value.astype(target.dtype)
         _set_path(params, path, value)
-    if tied_head:
-        head = jax.device_put(read_tensor(infos["lm_head.weight"]), device).astype(cfg.dtype)
-        if not bool(jnp.array_equal(head, params["embed_tokens"])):
-            raise CheckpointError("tied config, but 'lm_head.weight' differs from "
-                                  "'model.embed_tokens.weight'")
     nnx.replace_by_pure_dict(abstract_state, params)
-    return nnx.merge(graphdef, abstract_state)
+    return nnx.merge(graphdef, abstract_state), {k: infos[k] for k in optional if k in infos}
+
+
+def check_copy(info, reference: jax.Array, what: str) -> None:
+    """A checkpoint's copy of a shared array must equal the array it copies."""
+    if tuple(info.shape) != tuple(reference.shape):
+        raise CheckpointError(f"tensor {info.name!r} has shape {list(info.shape)} but {what} "
+                              f"has {list(reference.shape)}")
+    copy = jax.device_put(read_tensor(info), reference.device).astype(reference.dtype)
+    if not bool(jnp.array_equal(copy, reference)):
+        raise CheckpointError(f"tensor {info.name!r} differs from {what}")
+
+
+def load_hf_weights(model_dir: str | Path, cfg: Qwen3Config, *, progress: bool = False,
+                    device: jax.Device | None = None) -> Qwen3:
+    """Stream a Qwen3 safetensors checkpoint into a module on `device` (default: the first)."""
+    # A tied checkpoint may still carry lm_head.weight; it must then equal the embedding.
+    optional = frozenset({"lm_head.weight"} if cfg.tie_word_embeddings else ())
+    model, extras = stream_safetensors(model_dir, abstract_model(cfg), checkpoint_shapes(cfg),
+                                       optional=optional, progress=progress, device=device)
+    if "lm_head.weight" in extras:
+        check_copy(extras["lm_head.weight"], model.embed_tokens[...],
+                   "'model.embed_tokens.weight' (tied config)")
+    return model
 
 
 def _names(names: list[str], limit: int = 8) -> str:

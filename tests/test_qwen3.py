@@ -101,8 +101,8 @@ def test_bf16_logits_within_bf16_tolerance(hf_tiny_dirs):
     theirs = out16.logits.float().numpy()
     ours_err = np.linalg.norm(ours - exact) / np.linalg.norm(exact)
     theirs_err = np.linalg.norm(theirs - exact) / np.linalg.norm(exact)
-    assert ours_err < 2e-2, ours_err
-    assert ours_err < 2 * theirs_err + 1e-3, (ours_err, theirs_err)
+    # bf16 tolerance = transformers' own bf16 error (1.4-2.1 % over seeds on this model).
+    assert ours_err < 1.5 * theirs_err + 1e-3, (ours_err, theirs_err)
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(exact) < 3e-2
 
 
