@@ -12,7 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from jspec.loading import JSPEC_MARKER, ORBAX_SUBDIR, check_model_dir, load_model, save_orbax
+from jspec.loading import (JSPEC_MARKER, ORBAX_SUBDIR, check_model_dir, drafter_shared_fingerprints,
+                           is_drafter_dir, load_model, save_orbax)
 
 # Files that travel with the weights so the jspec directory is a complete model directory.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -32,22 +33,31 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, force: bool = False,
     old = dst.parent / f".{dst.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        cfg, model = load_model(src, dtype=dtype, progress=progress)
+        marker = {"format": "jspec-orbax", "version": 1, "source": str(src.resolve())}
+        if is_drafter_dir(src):
+            cfg, model = _load_drafter_alone(src, dtype, progress)
+            # The embedding / lm_head copies are dropped (the target's arrays are used); their
+            # fingerprints let loading check once that they are the target's.
+            marker.update(kind="dspark", shared_fingerprints=drafter_shared_fingerprints(src))
+            dtype_out = cfg.layers.dtype
+        else:
+            cfg, model = load_model(src, dtype=dtype, progress=progress)
+            marker.update(kind="qwen3")
+            dtype_out = cfg.dtype
+        marker["dtype"] = dtype_out
         tmp.mkdir()
         if progress:
-            print(f"writing Orbax checkpoint ({cfg.dtype}) ...", flush=True)
+            print(f"writing Orbax checkpoint ({dtype_out}) ...", flush=True)
         save_orbax(model, tmp / ORBAX_SUBDIR)
         for name in SIDE_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
         hf_config = json.loads((src / "config.json").read_text())
         for key in ("dtype", "torch_dtype"):  # transformers 5 / 4 spellings
-            hf_config[key] = cfg.dtype
+            hf_config[key] = dtype_out
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         # The marker is written last: a directory without it is never taken for a jspec one.
-        (tmp / JSPEC_MARKER).write_text(json.dumps(
-            {"format": "jspec-orbax", "version": 1, "kind": "qwen3", "dtype": cfg.dtype,
-             "source": str(src.resolve())}, indent=2))
+        (tmp / JSPEC_MARKER).write_text(json.dumps(marker, indent=2))
         if dst.exists():
             os.replace(dst, old)
         os.replace(tmp, dst)
@@ -58,3 +68,12 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, force: bool = False,
         raise
     shutil.rmtree(old, ignore_errors=True)
     return dst
+
+
+def _load_drafter_alone(src: Path, dtype: str | None, progress: bool):
+    from jspec.dspark import DSparkConfig, SHARED_WITH_TARGET, abstract_drafter, drafter_checkpoint_shapes
+    from jspec.loading import stream_safetensors
+    cfg = DSparkConfig.from_dir(src, dtype=dtype)
+    drafter, _ = stream_safetensors(src, abstract_drafter(cfg), drafter_checkpoint_shapes(cfg),
+                                    optional=frozenset(SHARED_WITH_TARGET), progress=progress)
+    return cfg, drafter

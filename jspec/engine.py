@@ -47,6 +47,8 @@ class Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "length" | "stop" (set by a stop checker)
     num_preemptions: int = 0
+    # Speculative statistics: tokens committed by each verify step of this request.
+    step_tokens: list[int] = dataclasses.field(default_factory=list)
     # Scheduling state.
     lane: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
@@ -60,6 +62,17 @@ class Request:
     def context_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Mean tokens per verify step (bonus included); None without speculation."""
+        return sum(self.step_tokens) / len(self.step_tokens) if self.step_tokens else None
+
+    def acceptance_per_position(self, num_draft: int) -> list[float]:
+        """Share of verify steps whose k-th draft was accepted, k = 1..num_draft."""
+        n = len(self.step_tokens)
+        return [sum(t - 1 >= k for t in self.step_tokens) / n if n else 0.0
+                for k in range(1, num_draft + 1)]
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -68,12 +81,15 @@ class EngineConfig:
     max_context: int = 4096  # prompt + generated tokens of one request
     num_pages: int | None = None  # default: every lane can reach max_context at once
     prefill_chunk: int = 256
-    decode_steps: int = 16  # tokens per lane per dispatch
+    decode_steps: int = 16  # decode steps (or speculative iterations) per dispatch
     attn_impl: str = "auto"
+
+    # Positions a step may write past the committed length (verify writes K+1); set by Engine.
+    step_width: int = 1
 
     @property
     def pages_per_lane(self) -> int:
-        return -(-self.max_context // self.page_size)
+        return -(-(self.max_context + self.step_width) // self.page_size)
 
     def total_pages(self) -> int:
         return self.num_pages or self.max_lanes * self.pages_per_lane + 1
@@ -81,19 +97,36 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, cfg: Qwen3Config, model: Qwen3, eos_ids: Sequence[int],
-                 engine_cfg: EngineConfig = EngineConfig()):
-        self.cfg, self.ecfg = cfg, engine_cfg
+                 engine_cfg: EngineConfig = EngineConfig(), drafter=None, draft_cfg=None):
+        """Stock decoding, or speculative decoding when a DSpark/DFlash `drafter` is given."""
+        self.cfg = cfg
         if engine_cfg.max_context > cfg.max_position_embeddings:
             raise ValueError(f"max_context {engine_cfg.max_context} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.eos_ids = tuple(eos_ids)
-        graphdef, self.params = nnx.split(model)
+        self.draft_cfg = draft_cfg
+        width = draft_cfg.block_size + 1 if drafter is not None else 1
+        self.ecfg = engine_cfg = dataclasses.replace(engine_cfg, step_width=width)
+        graphdef, target_params = nnx.split(model)
         self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,
                                       cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
-        self.caches = init_kv_caches(self.cache_shape)
         self.allocator = PageAllocator(self.cache_shape.num_pages)
-        self.programs = StockPrograms(graphdef, engine_cfg.page_size, self.eos_ids,
-                                      engine_cfg.attn_impl)
+        if drafter is None:
+            self.params = target_params
+            self.caches = init_kv_caches(self.cache_shape)
+            self.programs = StockPrograms(graphdef, engine_cfg.page_size, self.eos_ids,
+                                          engine_cfg.attn_impl)
+        else:
+            from jspec.spec_steps import SpecPrograms
+            draft_cfg.check_fits(cfg)
+            draft_graphdef, draft_params = nnx.split(drafter)
+            self.params = (target_params, draft_params)
+            # The drafter's pool mirrors the target's pages (same page table), with its layers.
+            self.draft_cache_shape = dataclasses.replace(
+                self.cache_shape, num_layers=draft_cfg.layers.num_layers)
+            self.caches = (init_kv_caches(self.cache_shape), init_kv_caches(self.draft_cache_shape))
+            self.programs = SpecPrograms(graphdef, draft_graphdef, draft_cfg, engine_cfg.page_size,
+                                         self.eos_ids, engine_cfg.attn_impl)
         self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
         self._admissions = itertools.count(1)
         self.stats = collections.Counter()
@@ -113,10 +146,18 @@ class Engine:
                              f"(size {self.cfg.vocab_size})")
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        need = self.cache_shape.pages_for(self._max_len(req))
+        need = self.cache_shape.pages_for(self._max_len(req) + self.ecfg.step_width - 1)
         if need > self.allocator.num_pages - 1:
             raise ValueError(f"request needs {need} KV pages but the pool has only "
                              f"{self.allocator.num_pages - 1}")
+
+    def _window_end(self, req: Request) -> int:
+        """Positions the next dispatch may write: from the input token (the last emitted, at
+        len(context) - 1) through decode_steps steps of step_width tokens, capped by what the
+        request can ever hold (plus one verify width of rows past it)."""
+        width = self.ecfg.step_width
+        reach = len(req.context_ids) - 1 + self.ecfg.decode_steps * width
+        return min(reach, self._max_len(req) + width - 1)
 
     def _max_len(self, req: Request) -> int:
         """The most tokens this request's context can ever hold (never past max_context)."""
@@ -143,7 +184,7 @@ class Engine:
         while waiting and None in self.lanes:
             req = waiting[0]
             context = len(req.context_ids)
-            need = self.cache_shape.pages_for(min(context + self.ecfg.decode_steps, self._max_len(req)))
+            need = self.cache_shape.pages_for(max(context, self._window_end(req)))
             pages = self.allocator.allocate(need)
             if pages is None:
                 return  # wait for pages: running lanes finish or get preempted
@@ -203,8 +244,7 @@ class Engine:
         for req in sorted((r for r in self.lanes if r), key=lambda r: r.admitted_at):
             if req.lane is None:
                 continue  # preempted below in this pass
-            want = min(len(req.context_ids) - 1 + self.ecfg.decode_steps, self._max_len(req))
-            need = self.cache_shape.pages_for(want) - len(req.pages)
+            need = self.cache_shape.pages_for(self._window_end(req)) - len(req.pages)
             while need > 0:
                 pages = self.allocator.allocate(need)
                 if pages is not None:
@@ -238,9 +278,10 @@ class Engine:
             stop_on_eos=jnp.asarray([r.stop_on_eos if r else True for r in lanes]),
             sampling=self._sampling(lanes),
         )
-        self.caches, _, out_tokens, out_logprobs = self.programs.decode(
+        self.caches, _, out_tokens, out_logprobs, *extra = self.programs.decode(
             self.params, self.caches, state, num_steps=self.ecfg.decode_steps)
         out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
+        step_tokens = np.asarray(extra[0]) if extra else None
         self.stats["decode_dispatches"] += 1
         for b in range(B):
             req = lanes[b]
@@ -248,6 +289,8 @@ class Engine:
                 continue
             emitted = out_tokens[b] >= 0
             self._emit(req, out_tokens[b, emitted].tolist(), out_logprobs[b, emitted].tolist())
+            if step_tokens is not None:
+                req.step_tokens += [int(n) for n in step_tokens[b] if n > 0]
             self.stats["decode_tokens"] += int(emitted.sum())
             if on_update:
                 on_update(req)

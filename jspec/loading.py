@@ -126,7 +126,7 @@ def _names(names: list[str], limit: int = 8) -> str:
 
 # ---- Orbax (jspec directories) ----------------------------------------------------------------
 
-def save_orbax(model: Qwen3, path: Path) -> None:
+def save_orbax(model: nnx.Module, path: Path) -> None:
     import orbax.checkpoint as ocp
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     checkpointer = ocp.StandardCheckpointer()
@@ -134,11 +134,11 @@ def save_orbax(model: Qwen3, path: Path) -> None:
     checkpointer.wait_until_finished()
 
 
-def load_orbax(path: Path, cfg: Qwen3Config, device: jax.Device | None = None) -> Qwen3:
+def load_orbax(path: Path, cfg, device: jax.Device | None = None, abstract: nnx.Module | None = None):
     import orbax.checkpoint as ocp
     device = device or jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    graphdef, abstract_state = nnx.split(abstract if abstract is not None else abstract_model(cfg))
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                           nnx.to_pure_dict(abstract_state))
     checkpointer = ocp.StandardCheckpointer()
@@ -156,6 +156,8 @@ def load_model(model_dir: str | Path, *, dtype: str | None = None, progress: boo
                ) -> tuple[Qwen3Config, Qwen3]:
     """Load a Qwen3 target from a Hugging Face or jspec directory onto the default device."""
     path = check_model_dir(model_dir)
+    if is_drafter_dir(path):
+        raise ConfigError(f"{path} is a DSpark/DFlash drafter, not a target model (pass it as the draft)")
     if is_jspec_dir(path):
         stored = json.loads((path / JSPEC_MARKER).read_text())["dtype"]
         if dtype and dtype != stored:
@@ -166,3 +168,62 @@ def load_model(model_dir: str | Path, *, dtype: str | None = None, progress: boo
     cfg = Qwen3Config.from_dir(path, dtype=dtype)
     return cfg, load_hf_weights(path, cfg, progress=progress)
 
+
+
+# ---- Drafters ---------------------------------------------------------------------------------
+
+def is_drafter_dir(model_dir: str | Path) -> bool:
+    path = Path(model_dir) / "config.json"
+    return path.is_file() and "target_layer_ids" in json.loads(path.read_text())
+
+
+def row_fingerprint(array) -> str:
+    """sha256 of 17 evenly spaced rows of a [V, D] matrix: a cheap exact identity check that a
+    drafter's stored copy of the embedding / lm_head is the target's."""
+    import hashlib
+
+    import numpy as np
+    rows = np.linspace(0, array.shape[0] - 1, 17).astype(int)
+    sample = np.asarray(jax.device_get(array[rows]), np.float32)  # bf16 -> fp32 is exact
+    return hashlib.sha256(sample.tobytes()).hexdigest()
+
+
+def _target_shared(target: Qwen3) -> dict[str, jax.Array]:
+    return {"embed_tokens.weight": target.embed_tokens[...], "lm_head.weight": target.head_weight()}
+
+
+def load_drafter(draft_dir: str | Path, target_cfg: Qwen3Config, target: Qwen3 | None, *,
+                 progress: bool = False):
+    """A DSpark/DFlash drafter for `target`: refused with a named mismatch if it does not fit.
+    Copies of the embedding / lm_head in the checkpoint are checked once against the target's
+    arrays (when `target` is given) and never kept."""
+    from jspec.dspark import (DSparkConfig, SHARED_WITH_TARGET, abstract_drafter,
+                              drafter_checkpoint_shapes)
+    path = check_model_dir(draft_dir)
+    if not is_drafter_dir(path):
+        raise ConfigError(f"{path} is not a DSpark/DFlash drafter (config.json has no target_layer_ids)")
+    cfg = DSparkConfig.from_dir(path, dtype=target_cfg.dtype)
+    cfg.check_fits(target_cfg)
+    if is_jspec_dir(path):
+        marker = json.loads((path / JSPEC_MARKER).read_text())
+        if target is not None:
+            for key, array in _target_shared(target).items():
+                stored = marker.get("shared_fingerprints", {}).get(key)
+                if stored and stored != row_fingerprint(array):
+                    raise CheckpointError(f"the drafter's {key!r} (fingerprint at conversion) "
+                                          "differs from the target's")
+        return cfg, load_orbax(path / ORBAX_SUBDIR, cfg, abstract=abstract_drafter(cfg))
+    drafter, extras = stream_safetensors(path, abstract_drafter(cfg), drafter_checkpoint_shapes(cfg),
+                                         optional=frozenset(SHARED_WITH_TARGET), progress=progress)
+    if target is not None:
+        shared = _target_shared(target)
+        for key, info in extras.items():
+            check_copy(info, shared[key], f"the target's {key!r}")
+    return cfg, drafter
+
+
+def drafter_shared_fingerprints(draft_dir: Path) -> dict[str, str]:
+    """Fingerprints of the embedding / lm_head copies a drafter checkpoint carries."""
+    from jspec.dspark import SHARED_WITH_TARGET
+    infos = index_checkpoint(draft_dir)
+    return {k: row_fingerprint(read_tensor(infos[k])) for k in SHARED_WITH_TARGET if k in infos}

@@ -66,3 +66,30 @@ def write_tiny_tokenizer(out_dir: Path, vocab_size: int = 512) -> list[int]:
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     (Path(out_dir) / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return eos
+
+
+def save_drafter_checkpoint(drafter, dcfg, out_dir: Path, target=None) -> None:
+    """Write a jspec drafter in DeepSpec's checkpoint layout (safetensors + config.json), with the
+    target's embedding / lm_head copies when `target` is given (as DeepSpec saves them)."""
+    import numpy as np
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from jspec.dspark import drafter_checkpoint_shapes
+
+    params = nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
+    tensors = {}
+    for key, (shape, path) in drafter_checkpoint_shapes(dcfg).items():
+        value = params
+        for p in path:
+            value = value[p]
+        tensors[key] = np.asarray(value, np.float32).reshape(shape)
+    if target is not None:
+        tensors["embed_tokens.weight"] = np.asarray(target.embed_tokens[...], np.float32)
+        tensors["lm_head.weight"] = np.asarray(target.head_weight(), np.float32)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "model.safetensors")
+    hf = dcfg.to_hf_dict()
+    hf["torch_dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2))

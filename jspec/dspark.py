@@ -1,0 +1,251 @@
+"""The DSpark drafter (and DFlash, the same code without the Markov and confidence heads).
+
+Shapes follow DeepSpec's `Qwen3DSparkModel` checkpoints (keys without a "model." prefix):
+  fc [D, n_taps*D], hidden_norm [D]         feature fusion of the target's tapped layers
+  layers.{i}.*                              Qwen3 decoder layers at the target's width
+  norm [D]                                  final norm of the draft stack
+  markov_head.markov_w1 [V, r]              token -> rank-r Markov embedding
+  markov_head.markov_w2 [V, r]              rank-r -> vocabulary bias
+  confidence_head.proj [1, D (+ r)], bias [1]
+The drafter holds no embedding or lm_head: it is always called with the target's arrays.
+
+One draft for a lane whose committed context ends at position s-1 and whose anchor (the last
+committed token, not yet seen by the target) sits at s:
+  context K/V  every committed position p < s holds K/V computed from the fused target features
+               of token p (k_proj/k_norm/RoPE, v_proj of each layer; no queries, no MLP);
+  block        [anchor, mask x (block-1)] at positions s..s+block-1, through the layers with
+               bidirectional attention over the context and the whole block;
+  base logits  U = lm_head(norm(h)), block x V;
+  Markov       logits_k = U_k + W2 . W1[x_{k-1}], x_0 = anchor, sampled left to right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.config import ConfigError, Qwen3Config
+from jspec.qwen3 import AttentionFn, DecoderLayer, RMSNorm, _normal, apply_rope
+
+Array = jax.Array
+MARKOV_HEAD_TYPES = ("vanilla", "gated")
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+    layers: Qwen3Config  # width / heads / rope of the draft layers (the target's); num_layers = draft depth
+    block_size: int = 7
+    mask_token_id: int = 151669
+    target_layer_ids: tuple[int, ...] = (1, 9, 17, 25, 33)
+    markov_rank: int = 256  # 0: no Markov head (DFlash)
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty: the drafter needs tapped target layers")
+        ids = list(self.target_layer_ids)
+        if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0:
+            raise ConfigError(f"target_layer_ids must be strictly increasing and >= 0, got {ids}")
+        if self.markov_rank and self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(f"markov_head_type {self.markov_head_type!r} is not supported "
+                              f"(supported: {', '.join(MARKOV_HEAD_TYPES)})")
+        if self.confidence_with_markov and self.confidence_head and not self.markov_rank:
+            object.__setattr__(self, "confidence_with_markov", False)
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def is_dflash(self) -> bool:
+        return self.markov_rank == 0
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], dtype: str | None = None) -> "DSparkConfig":
+        for key in ("target_layer_ids", "block_size", "mask_token_id"):
+            if key not in hf:
+                raise ConfigError(f"drafter config.json lacks {key!r}: not a DSpark/DFlash drafter")
+        base = {k: v for k, v in hf.items() if k not in ("model_type", "layer_types")}
+        base["model_type"] = "qwen3"
+        layers = Qwen3Config.from_hf_dict(base, dtype=dtype)
+        rank = int(hf.get("markov_rank", 0) or 0)
+        return cls(
+            layers=layers,
+            block_size=int(hf["block_size"]),
+            mask_token_id=int(hf["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in hf["target_layer_ids"]),
+            markov_rank=rank,
+            markov_head_type=hf.get("markov_head_type", "vanilla") if rank else "vanilla",
+            confidence_head=bool(hf.get("enable_confidence_head", False)),
+            confidence_with_markov=bool(hf.get("confidence_head_with_markov", True)),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, dtype: str | None = None) -> "DSparkConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir} has no config.json: not a drafter directory")
+        return cls.from_hf_dict(json.loads(path.read_text()), dtype=dtype)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = self.layers.to_hf_dict()
+        d.update(architectures=["Qwen3DSparkModel"], block_size=self.block_size,
+                 mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids),
+                 markov_rank=self.markov_rank, markov_head_type=self.markov_head_type,
+                 enable_confidence_head=self.confidence_head,
+                 confidence_head_with_markov=self.confidence_with_markov,
+                 tie_word_embeddings=False)
+        return d
+
+    def check_fits(self, target: Qwen3Config) -> None:
+        """Refuse a drafter that does not fit its target, naming the mismatch."""
+        mine = self.layers
+        for field in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(mine, field) != getattr(target, field):
+                raise ConfigError(f"drafter {field} = {getattr(mine, field)} does not match the "
+                                  f"target's {getattr(target, field)}")
+        bad = [i for i in self.target_layer_ids if i >= target.num_layers - 1]
+        if bad:
+            raise ConfigError(f"drafter target_layer_ids {list(self.target_layer_ids)} reach layer "
+                              f"{bad[0]}, but the target has {target.num_layers} layers (the last "
+                              "one cannot be tapped)")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(f"drafter mask_token_id {self.mask_token_id} is outside the target's "
+                              f"vocabulary of {target.vocab_size}")
+
+
+class DSparkDrafter(nnx.Module):
+    def __init__(self, cfg: DSparkConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        lc = cfg.layers
+        dtype = jnp.dtype(lc.dtype)
+        D, V, r = lc.hidden_size, lc.vocab_size, cfg.markov_rank
+        self.fc = nnx.Param(_normal(rngs, (D, cfg.num_taps * D), dtype))
+        self.hidden_norm = RMSNorm(D, lc.rms_norm_eps, dtype)
+        self.layers = nnx.List([DecoderLayer(lc, dtype, rngs) for _ in range(lc.num_layers)])
+        self.norm = RMSNorm(D, lc.rms_norm_eps, dtype)
+        if r:
+            self.markov_w1 = nnx.Param(_normal(rngs, (V, r), dtype))
+            self.markov_w2 = nnx.Param(_normal(rngs, (V, r), dtype))
+            if cfg.markov_head_type == "gated":
+                self.markov_gate = nnx.Param(_normal(rngs, (r, D + r), dtype))
+                self.markov_gate_bias = nnx.Param(jnp.zeros((r,), dtype))
+        if cfg.confidence_head:
+            width = D + (r if cfg.confidence_with_markov else 0)
+            self.confidence_proj = nnx.Param(_normal(rngs, (1, width), dtype))
+            self.confidence_bias = nnx.Param(jnp.zeros((1,), dtype))
+
+    # ---- context ------------------------------------------------------------------------------
+
+    def fuse(self, taps: Sequence[Array]) -> Array:
+        """Target taps (each [..., D], in target_layer_ids order) -> fused context [..., D]."""
+        features = jnp.concatenate(taps, axis=-1)
+        return self.hidden_norm(jnp.einsum("...f,df->...d", features, self.fc[...]))
+
+    def context_kv(self, context_btd: Array, positions_bt: Array) -> list[tuple[Array, Array]]:
+        """Per draft layer, the K/V [B,T,Hkv,hd] of fused context rows at their positions."""
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            k = attn.k_norm(jnp.einsum("btd,hkd->bthk", context_btd, attn.k_proj[...]))
+            v = jnp.einsum("btd,hkd->bthk", context_btd, attn.v_proj[...])
+            out.append((apply_rope(k, positions_bt, attn.rope_theta), v))
+        return out
+
+    # ---- block --------------------------------------------------------------------------------
+
+    def block_hidden(self, block_emb_btd: Array, positions_bt: Array, attention: AttentionFn,
+                     caches: Sequence[Any]) -> tuple[Array, list[Any]]:
+        """The block through the draft layers; `attention` sees the block's q/k/v and must let
+        every block query attend to the whole context and the whole block (no causal mask).
+        Returns (final-normed hidden [B,T,D], caches)."""
+        h = block_emb_btd
+        new_caches = []
+        for i, layer in enumerate(self.layers):
+            h, cache = layer(i, h, positions_bt, attention, caches[i] if caches else None)
+            new_caches.append(cache)
+        return self.norm(h), new_caches
+
+    # ---- heads --------------------------------------------------------------------------------
+
+    def markov_bias(self, prev_tokens: Array, hidden: Array | None = None) -> Array:
+        """B(prev, .) [..., V] in fp32; zeros for DFlash."""
+        if self.cfg.is_dflash:
+            return jnp.zeros(prev_tokens.shape + (self.cfg.layers.vocab_size,), jnp.float32)
+        e = jnp.take(self.markov_w1[...], prev_tokens, axis=0)
+        if self.cfg.markov_head_type == "gated":
+            gate_in = jnp.concatenate([hidden, e], axis=-1)
+            gate = jax.nn.sigmoid(jnp.einsum("...i,ri->...r", gate_in, self.markov_gate[...],
+                                             preferred_element_type=jnp.float32)
+                                  + self.markov_gate_bias[...].astype(jnp.float32))
+            e = (gate * e.astype(jnp.float32)).astype(e.dtype)
+        return jnp.einsum("...r,vr->...v", e, self.markov_w2[...], preferred_element_type=jnp.float32)
+
+    def confidence_logits(self, hidden: Array, prev_tokens: Array) -> Array:
+        """z_k = w . [h_k ; W1[x_{k-1}]] + b (a logit; sigmoid gives the acceptance estimate)."""
+        if not self.cfg.confidence_head:
+            return jnp.zeros(prev_tokens.shape, jnp.float32)
+        x = hidden
+        if self.cfg.confidence_with_markov:
+            x = jnp.concatenate([hidden, jnp.take(self.markov_w1[...], prev_tokens, axis=0)], -1)
+        z = jnp.einsum("...i,oi->...o", x, self.confidence_proj[...],
+                       preferred_element_type=jnp.float32)[..., 0]
+        return z + self.confidence_bias[...].astype(jnp.float32)[0]
+
+
+def abstract_drafter(cfg: DSparkConfig) -> DSparkDrafter:
+    return nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0)))
+
+
+def init_random_drafter(cfg: DSparkConfig, seed: int = 0) -> DSparkDrafter:
+    return DSparkDrafter(cfg, rngs=nnx.Rngs(seed))
+
+
+def drafter_checkpoint_shapes(cfg: DSparkConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """DeepSpec checkpoint key -> (shape, jspec param path). embed_tokens / lm_head copies are
+    not listed: they are checked against the target's instead of loaded."""
+    lc = cfg.layers
+    D, F, V, r = lc.hidden_size, lc.intermediate_size, lc.vocab_size, cfg.markov_rank
+    Hq, Hkv, hd = lc.num_heads, lc.num_kv_heads, lc.head_dim
+    keys = {"fc.weight": ((D, cfg.num_taps * D), ("fc",)),
+            "hidden_norm.weight": ((D,), ("hidden_norm", "weight")),
+            "norm.weight": ((D,), ("norm", "weight"))}
+    for i in range(lc.num_layers):
+        p, layer = f"layers.{i}.", ("layers", i)
+        keys.update({
+            p + "input_layernorm.weight": ((D,), layer + ("input_layernorm", "weight")),
+            p + "post_attention_layernorm.weight": ((D,), layer + ("post_attention_layernorm", "weight")),
+            p + "self_attn.q_proj.weight": ((Hq * hd, D), layer + ("self_attn", "q_proj")),
+            p + "self_attn.k_proj.weight": ((Hkv * hd, D), layer + ("self_attn", "k_proj")),
+            p + "self_attn.v_proj.weight": ((Hkv * hd, D), layer + ("self_attn", "v_proj")),
+            p + "self_attn.o_proj.weight": ((D, Hq * hd), layer + ("self_attn", "o_proj")),
+            p + "self_attn.q_norm.weight": ((hd,), layer + ("self_attn", "q_norm", "weight")),
+            p + "self_attn.k_norm.weight": ((hd,), layer + ("self_attn", "k_norm", "weight")),
+            p + "mlp.gate_proj.weight": ((F, D), layer + ("mlp", "gate_proj")),
+            p + "mlp.up_proj.weight": ((F, D), layer + ("mlp", "up_proj")),
+            p + "mlp.down_proj.weight": ((D, F), layer + ("mlp", "down_proj")),
+        })
+    if r:
+        keys["markov_head.markov_w1.weight"] = ((V, r), ("markov_w1",))
+        keys["markov_head.markov_w2.weight"] = ((V, r), ("markov_w2",))
+        if cfg.markov_head_type == "gated":
+            keys["markov_head.gate_proj.weight"] = ((r, D + r), ("markov_gate",))
+            keys["markov_head.gate_proj.bias"] = ((r,), ("markov_gate_bias",))
+    if cfg.confidence_head:
+        width = D + (r if cfg.confidence_with_markov else 0)
+        keys["confidence_head.proj.weight"] = ((1, width), ("confidence_proj",))
+        keys["confidence_head.proj.bias"] = ((1,), ("confidence_bias",))
+    return keys
+
+
+SHARED_WITH_TARGET = {"embed_tokens.weight": "embed", "lm_head.weight": "head"}

@@ -1,0 +1,185 @@
+"""The jitted programs of speculative decoding: prefill (target + drafter context) and a
+device-resident loop of speculative iterations (draft, verify, accept, commit).
+
+Both pools share one page table: the drafter's pool has the same pages and slots as the
+target's (5 layers instead of 36), so one host allocator serves both.
+
+One iteration for a lane whose committed context is positions 0..s-1 (in both caches) and whose
+anchor token (committed, not yet seen by the target) sits at s:
+  draft   block [anchor, mask x (K-1)] at s..s+K-1; its K/V are written past the committed
+          length (s..s+K-1) and attended with no causal mask; U = lm_head(h); the Markov head
+          samples x_1..x_K left to right, q_k recorded exactly as sampled.
+  verify  the target over [anchor, x_1..x_K] at s..s+K (q_len K+1), with the taps.
+  accept  lossless rejection sampling: a accepted drafts + 1 replacement/bonus token.
+  commit  the drafter's context K/V for s..s+K from the taps (rows past s+a are rewritten next
+          round before anything reads them); the new length is s+a+1 (rejection only rewinds
+          the length; nothing is copied); EOS / max-tokens truncation on device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jspec.dspark import DSparkConfig, DSparkDrafter
+from jspec.kernels.kv_cache_write import write_kv
+from jspec.paged_cache import NULL_PAGE
+from jspec.qwen3 import Qwen3
+from jspec.rejection import rejection_sample
+from jspec.sampling import SamplingArrays, draft_sample, sample
+from jspec.steps import DecodeState, paged_attention, slots_for, token_logprobs
+
+Array = jax.Array
+
+
+def _lane_grid(num_lanes: int, width: int):
+    """lanes [B*W] and offsets [B*W] of a flattened [B, W] block."""
+    lanes = jnp.repeat(jnp.arange(num_lanes, dtype=jnp.int32), width)
+    offsets = jnp.tile(jnp.arange(width, dtype=jnp.int32), num_lanes)
+    return lanes, offsets
+
+
+class SpecPrograms:
+    def __init__(self, target_graphdef, draft_graphdef, dcfg: DSparkConfig, page_size: int,
+                 eos_ids: tuple[int, ...], attn_impl: str = "auto"):
+        self.tg, self.dg, self.dcfg = target_graphdef, draft_graphdef, dcfg
+        self.k = dcfg.block_size
+        self.page_size = page_size
+        self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
+        self.attn_impl = attn_impl
+        self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
+        self.decode = jax.jit(self._decode, donate_argnums=(1,), static_argnames=("num_steps",))
+
+    def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
+        return nnx.merge(self.tg, params[0]), nnx.merge(self.dg, params[1])
+
+    def _write_context(self, drafter: DSparkDrafter, dcaches, taps, positions_1t, slots_t):
+        """Drafter context K/V of target-tapped rows, into the draft pool at `slots_t`."""
+        kv = drafter.context_kv(drafter.fuse(taps), positions_1t)
+        return [write_kv(dk, dv, k[0], v[0], slots_t) for (dk, dv), (k, v) in zip(dcaches, kv)]
+
+    # ---- prefill --------------------------------------------------------------------------------
+
+    def _prefill(self, params, caches, tokens_c, start, q_len, page_row_p, sampling: SamplingArrays):
+        """As the stock prefill, plus the drafter's context K/V for the chunk."""
+        target, drafter = self.models(params)
+        tcaches, dcaches = caches
+        chunk = tokens_c.shape[0]
+        idx_c = jnp.arange(chunk, dtype=jnp.int32)
+        valid_c = idx_c < q_len
+        positions_c = start + jnp.minimum(idx_c, q_len - 1)
+        page_table_1p = page_row_p[None]
+        slots_c = slots_for(page_table_1p, jnp.zeros_like(idx_c), positions_c, self.page_size)
+        slots_c = jnp.where(valid_c, slots_c, NULL_PAGE * self.page_size + idx_c % self.page_size)
+        attend = paged_attention(slots_c, (start + q_len)[None], page_table_1p,
+                                 jnp.stack([0, q_len]).astype(jnp.int32), max_q_len=chunk,
+                                 impl=self.attn_impl)
+        hidden_1cd, taps, tcaches = target(tokens_c[None], positions_c[None], attention=attend,
+                                           caches=tcaches, tap_layers=self.dcfg.target_layer_ids)
+        dcaches = self._write_context(drafter, dcaches, taps, positions_c[None], slots_c)
+        last_1d = jax.lax.dynamic_index_in_dim(hidden_1cd[0], q_len - 1, axis=0, keepdims=True)
+        logits_1v = target.logits(last_1d)
+        token_1, _ = sample(logits_1v, sampling, (start + q_len)[None])
+        return (tcaches, dcaches), token_1, token_logprobs(logits_1v, token_1)
+
+    # ---- one speculative iteration ------------------------------------------------------------
+
+    def draft(self, target: Qwen3, drafter: DSparkDrafter, dcaches, state: DecodeState):
+        """Returns (dcaches, draft tokens [B,K], q log-probs [B,K,V] f32)."""
+        K, B = self.k, state.tokens.shape[0]
+        lanes_t, offs_t = _lane_grid(B, K)
+        s_b = state.lengths
+        block_bk = jnp.concatenate(
+            [state.tokens[:, None], jnp.full((B, K - 1), self.dcfg.mask_token_id, jnp.int32)], 1)
+        positions_t = s_b[lanes_t] + offs_t
+        slots_t = slots_for(state.page_table, lanes_t, positions_t, self.page_size)
+        slots_t = jnp.where(state.active[lanes_t], slots_t, NULL_PAGE * self.page_size + offs_t % self.page_size)
+        kv_lens = jnp.where(state.active, s_b + K, K)
+        attend = paged_attention(slots_t, kv_lens, state.page_table,
+                                 jnp.arange(B + 1, dtype=jnp.int32) * K, max_q_len=K,
+                                 impl=self.attn_impl, causal=False)
+        emb_1td = target.embed(block_bk.reshape(1, B * K))
+        hidden_1td, dcaches = drafter.block_hidden(emb_1td, positions_t[None], attend, dcaches)
+        base_bkv = target.logits(hidden_1td[0].reshape(B, K, -1))  # U, fp32
+        prev = state.tokens
+        tokens, q_logprobs = [], []
+        for k in range(K):  # the Markov chain: each step conditions on the sampled previous token
+            logits_bv = base_bkv[:, k] + drafter.markov_bias(prev, hidden_1td[0].reshape(B, K, -1)[:, k])
+            x_b, q_bv = draft_sample(logits_bv, state.sampling, s_b + k + 1)
+            tokens.append(x_b)
+            q_logprobs.append(q_bv)
+            prev = x_b
+        return dcaches, jnp.stack(tokens, 1), jnp.stack(q_logprobs, 1)
+
+    def verify(self, target: Qwen3, tcaches, state: DecodeState, draft_bk):
+        """Target over [anchor, drafts] at s..s+K. Returns (tcaches, logits [B,K+1,V], taps)."""
+        W, B = self.k + 1, state.tokens.shape[0]
+        lanes_t, offs_t = _lane_grid(B, W)
+        tokens_bw = jnp.concatenate([state.tokens[:, None], draft_bk], 1)
+        positions_t = state.lengths[lanes_t] + offs_t
+        slots_t = slots_for(state.page_table, lanes_t, positions_t, self.page_size)
+        slots_t = jnp.where(state.active[lanes_t], slots_t, NULL_PAGE * self.page_size + offs_t % self.page_size)
+        kv_lens = jnp.where(state.active, state.lengths + W, W)
+        attend = paged_attention(slots_t, kv_lens, state.page_table,
+                                 jnp.arange(B + 1, dtype=jnp.int32) * W, max_q_len=W,
+                                 impl=self.attn_impl)
+        hidden_1td, taps, tcaches = target(tokens_bw.reshape(1, B * W), positions_t[None],
+                                           attention=attend, caches=tcaches,
+                                           tap_layers=self.dcfg.target_layer_ids)
+        logits = target.logits(hidden_1td[0]).reshape(B, W, -1)
+        return tcaches, logits, taps, positions_t, slots_t
+
+    def _iteration(self, params, caches, state: DecodeState):
+        target, drafter = self.models(params)
+        tcaches, dcaches = caches
+        K, B = self.k, state.tokens.shape[0]
+        dcaches, draft_bk, q_bkv = self.draft(target, drafter, dcaches, state)
+        tcaches, logits_bwv, taps, positions_t, slots_t = self.verify(target, tcaches, state, draft_bk)
+        result = rejection_sample(logits_bwv, q_bkv, draft_bk, jnp.full((B,), K, jnp.int32),
+                                  state.sampling, state.lengths + 1)
+        dcaches = self._write_context(drafter, dcaches, taps, positions_t[None], slots_t)
+
+        # Commit: truncate after the first EOS and at the lane's remaining budget.
+        W = K + 1
+        j = jnp.arange(W, dtype=jnp.int32)[None]
+        emitted = j < result.num_emitted[:, None]
+        is_eos = (jnp.any(result.tokens[..., None] == self.eos_ids, -1) & emitted
+                  & state.stop_on_eos[:, None])
+        first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), W)
+        n_keep = jnp.minimum(jnp.minimum(result.num_emitted, first_eos + 1), state.remaining)
+        n_keep = jnp.where(state.active, n_keep, 0)
+        kept = j < n_keep[:, None]
+        out_tokens = jnp.where(kept, result.tokens, -1)
+        logp = jax.nn.log_softmax(logits_bwv, axis=-1)
+        out_logprobs = jnp.take_along_axis(logp, jnp.maximum(result.tokens, 0)[..., None], -1)[..., 0]
+        last = jnp.take_along_axis(result.tokens, jnp.maximum(n_keep - 1, 0)[:, None], 1)[:, 0]
+        remaining = state.remaining - n_keep
+        state = dataclasses.replace(
+            state,
+            tokens=jnp.where(n_keep > 0, last, state.tokens),
+            lengths=state.lengths + n_keep,
+            remaining=remaining,
+            active=state.active & (first_eos >= n_keep) & (remaining > 0),
+        )
+        # Tokens committed by this verify step (0: the lane was idle).
+        return (tcaches, dcaches), state, out_tokens, jnp.where(kept, out_logprobs, 0.0), n_keep
+
+    def _decode(self, params, caches, state: DecodeState, *, num_steps: int):
+        """num_steps speculative iterations. Returns (caches, state, tokens [B, n*(K+1)] with -1
+        gaps, logprobs [B, n*(K+1)], emitted-per-iteration [B, n] (0 = idle))."""
+        B, W = state.tokens.shape[0], self.k + 1
+
+        def body(i, carry):
+            caches, state, toks, lps, steps = carry
+            caches, state, t_bw, lp_bw, n_b = self._iteration(params, caches, state)
+            toks = jax.lax.dynamic_update_slice(toks, t_bw, (0, i * W))
+            lps = jax.lax.dynamic_update_slice(lps, lp_bw, (0, i * W))
+            return caches, state, toks, lps, steps.at[:, i].set(n_b)
+
+        init = (caches, state, jnp.full((B, num_steps * W), -1, jnp.int32),
+                jnp.zeros((B, num_steps * W), jnp.float32), jnp.zeros((B, num_steps), jnp.int32))
+        caches, state, toks, lps, steps = jax.lax.fori_loop(0, num_steps, body, init)
+        return caches, state, toks, lps, steps
