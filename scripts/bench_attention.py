@@ -170,7 +170,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="write results as JSON here")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep splits x block_n x warps at 32 x 4096 ps16 (minutes)")
-    parser.add_argument("--inner", type=int, default=10, help="calls per timed dispatch")
+    # 40 calls per dispatch: at --inner 5 (2026-11-30, H200) every small scenario (1 x 4096,
+    # 16 x 512, Triton and Pallas alike) sat at a 55-65 us floor, so the per-dispatch host cost
+    # was likely a large share of the small rows and up to ~20% of the 32 x 4096 rows.
+    parser.add_argument("--inner", type=int, default=40, help="calls per timed dispatch")
     parser.add_argument("--repeats", type=int, default=10, help="timed dispatches (median)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip remaining sweep points past this many seconds "
