@@ -208,7 +208,12 @@ class Engine:
                                          [r.top_p for r in live], [r.seed for r in live])
 
     def _prefill(self, req: Request) -> None:
-        context = req.context_ids
+        """Fill the lane's cache. A fresh request prefills its prompt and samples its first
+        token. A resumed (preempted) one prefills everything but its last emitted token, which
+        becomes the next step's input again: nothing is sampled twice, so the continuation uses
+        exactly the random draws it would have used without preemption."""
+        resumed = bool(req.output_ids)
+        context = req.context_ids[:-1] if resumed else req.context_ids
         chunk = self.ecfg.prefill_chunk
         row = jnp.asarray(self._page_row(req))
         sampling = self._sampling([req])
@@ -220,7 +225,8 @@ class Engine:
                 self.params, self.caches, jnp.asarray(tokens), jnp.int32(start),
                 jnp.int32(len(piece)), row, sampling)
         self.stats["prefill_tokens"] += len(context)
-        self._emit(req, [int(token[0])], [float(logprob[0])])
+        if not resumed:
+            self._emit(req, [int(token[0])], [float(logprob[0])])
 
     def _emit(self, req: Request, tokens: list[int], logprobs: list[float]) -> None:
         for tok, lp in zip(tokens, logprobs):

@@ -52,6 +52,7 @@ class SpecPrograms:
         self.attn_impl = attn_impl
         self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
         self.decode = jax.jit(self._decode, donate_argnums=(1,), static_argnames=("num_steps",))
+        self.teacher_forced = jax.jit(self._teacher_forced, donate_argnums=(1,))
 
     def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
         return nnx.merge(self.tg, params[0]), nnx.merge(self.dg, params[1])
@@ -183,3 +184,25 @@ class SpecPrograms:
                 jnp.zeros((B, num_steps * W), jnp.float32), jnp.zeros((B, num_steps), jnp.int32))
         caches, state, toks, lps, steps = jax.lax.fori_loop(0, num_steps, body, init)
         return caches, state, toks, lps, steps
+
+    def _teacher_forced(self, params, caches, state: DecodeState, forced_bn: Array):
+        """Score forced tokens through the verify path, K+1 per block: block j feeds
+        forced[:, jW] as the anchor and forced[:, jW+1 : jW+W] as the drafts. Returns (caches,
+        log p(forced[:, i+1]) [B, n-1]); n - 1 must be a multiple of W = K+1."""
+        target, _ = self.models(params)
+        tcaches, dcaches = caches
+        W = self.k + 1
+        blocks = (forced_bn.shape[1] - 1) // W
+
+        def body(j, carry):
+            tcaches, state, out = carry
+            chunk = jax.lax.dynamic_slice_in_dim(forced_bn, j * W, W + 1, axis=1)
+            state = dataclasses.replace(state, tokens=chunk[:, 0])
+            tcaches, logits_bwv, _, _, _ = self.verify(target, tcaches, state, chunk[:, 1:W])
+            lp = jnp.take_along_axis(jax.nn.log_softmax(logits_bwv, -1), chunk[:, 1:, None], -1)[..., 0]
+            state = dataclasses.replace(state, lengths=state.lengths + W)
+            return tcaches, state, jax.lax.dynamic_update_slice(out, lp, (0, j * W))
+
+        out = jnp.zeros((forced_bn.shape[0], blocks * W), jnp.float32)
+        tcaches, _, out = jax.lax.fori_loop(0, blocks, body, (tcaches, state, out))
+        return (tcaches, dcaches), out

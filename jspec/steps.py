@@ -80,6 +80,7 @@ class StockPrograms:
         self.attn_impl = attn_impl
         self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
         self.decode = jax.jit(self._decode, donate_argnums=(1,), static_argnames=("num_steps",))
+        self.teacher_forced = jax.jit(self._teacher_forced, donate_argnums=(1,))
 
     def model(self, params) -> Qwen3:
         return nnx.merge(self.graphdef, params)
@@ -113,7 +114,8 @@ class StockPrograms:
 
     # ---- the device-resident decode loop ------------------------------------------------------
 
-    def _decode_step(self, params, caches, state: DecodeState):
+    def _step_logits(self, params, caches, state: DecodeState):
+        """One q_len-1 target step for every lane: (caches, logits [B, V] f32)."""
         num_lanes = state.tokens.shape[0]
         lanes_b = jnp.arange(num_lanes, dtype=jnp.int32)
         positions_b = state.lengths
@@ -127,7 +129,11 @@ class StockPrograms:
         model = self.model(params)
         hidden_1bd, _, caches = model(state.tokens[None], positions_b[None], attention=attend,
                                       caches=caches)
-        logits_bv = model.logits(hidden_1bd[0])
+        return caches, model.logits(hidden_1bd[0])
+
+    def _decode_step(self, params, caches, state: DecodeState):
+        positions_b = state.lengths
+        caches, logits_bv = self._step_logits(params, caches, state)
         new_b, _ = sample(logits_bv, state.sampling, positions_b + 1)
         logprob_b = token_logprobs(logits_bv, new_b)
         is_eos = jnp.any(new_b[:, None] == self.eos_ids[None], axis=-1) & state.stop_on_eos
@@ -157,6 +163,24 @@ class StockPrograms:
         caches, state, out_tokens, out_logprobs = jax.lax.fori_loop(
             0, num_steps, body, (caches, state, out_tokens, out_logprobs))
         return caches, state, out_tokens, out_logprobs
+
+
+    def _teacher_forced(self, params, caches, state: DecodeState, forced_bn: Array):
+        """Feed forced[:, i] at position lengths+i through the decode step; returns (caches,
+        log p(forced[:, i+1]) [B, n-1]). The scoring twin of the decode loop."""
+        n = forced_bn.shape[1]
+
+        def body(i, carry):
+            caches, state, out = carry
+            state = dataclasses.replace(state, tokens=forced_bn[:, i])
+            caches, logits_bv = self._step_logits(params, caches, state)
+            lp = token_logprobs(logits_bv, forced_bn[:, i + 1])
+            state = dataclasses.replace(state, lengths=state.lengths + 1)
+            return caches, state, out.at[:, i].set(lp)
+
+        out = jnp.zeros((forced_bn.shape[0], n - 1), jnp.float32)
+        caches, _, out = jax.lax.fori_loop(0, n - 1, body, (caches, state, out))
+        return caches, out
 
 
 def compile_count(fn: Any) -> int:

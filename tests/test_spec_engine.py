@@ -1,0 +1,186 @@
+"""Speculative decoding on the paged engine: greedy exactness, acceptance with an agreeing
+drafter, batch independence, teacher-forced log-probabilities, the sampled law end to end,
+no recompilation, preemption."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from jspec.config import PRESETS
+from jspec.dspark import DSparkConfig, init_random_drafter
+from jspec.engine import Engine, EngineConfig, Request
+from jspec.qwen3 import init_random
+from jspec.scoring import teacher_forced_logprobs
+from jspec.steps import compile_count
+
+CFG = PRESETS["tiny-untied"]
+K = 7
+DCFG = DSparkConfig(layers=CFG.replace(num_layers=2), block_size=K, mask_token_id=CFG.vocab_size - 1,
+                    target_layer_ids=(0, 2, 4), markov_rank=CFG.hidden_size)
+ECFG = EngineConfig(max_lanes=3, page_size=8, max_context=160, prefill_chunk=16, decode_steps=3,
+                    attn_impl="xla")
+
+
+def _scaled(module, factor, seed_note=""):
+    nnx.update(module, jax.tree.map(lambda x: x * factor if x.ndim > 1 else x, nnx.state(module)))
+    return module
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _scaled(init_random(CFG, seed=1), 5)
+
+
+@pytest.fixture(scope="module")
+def random_drafter():
+    return _scaled(init_random_drafter(DCFG, seed=3), 5)
+
+
+def bigram_pair(concentrate: int | None = None, drafter_noise: float = 0.0):
+    """A target whose attention and MLP write nothing (o_proj = down_proj = 0), so its next-token
+    law is a bigram p(.|x) = softmax(lm_head . norm(embed[x])); and a drafter whose base logits are
+    zero (final norm 0) and whose Markov head is that bigram exactly (W1 = norm(embed), W2 =
+    lm_head), so q == p: every draft is accepted. `concentrate` keeps the law on that many
+    tokens; `drafter_noise` perturbs W2 so that q != p."""
+    t = init_random(CFG, seed=11)
+    rng = np.random.default_rng(0)
+    D, V = CFG.hidden_size, CFG.vocab_size
+    embed = rng.normal(size=(V, D)).astype(np.float32)
+    head = 3.0 * rng.normal(size=(V, D)).astype(np.float32) / np.sqrt(D)
+    if concentrate:
+        embed[:, 0] = 4.0  # one constant channel ...
+        head[:, 0] = np.where(np.arange(V) < concentrate, 0.0, -30.0) / 4.0  # ... cuts off the tail
+    t.embed_tokens[...] = jnp.asarray(embed)
+    t.lm_head[...] = jnp.asarray(head)
+    for layer in t.layers:
+        layer.self_attn.o_proj[...] = jnp.zeros_like(layer.self_attn.o_proj[...])
+        layer.mlp.down_proj[...] = jnp.zeros_like(layer.mlp.down_proj[...])
+    normed = embed / np.sqrt(np.mean(embed ** 2, -1, keepdims=True) + CFG.rms_norm_eps)
+    d = init_random_drafter(DCFG, seed=12)
+    d.norm.weight[...] = jnp.zeros_like(d.norm.weight[...])
+    d.markov_w1[...] = jnp.asarray(normed)
+    d.markov_w2[...] = jnp.asarray(head + drafter_noise * rng.normal(size=head.shape).astype(np.float32))
+    law = jax.nn.softmax(jnp.asarray(normed @ head.T), -1)  # law[x] = p(. | x)
+    return t, d, np.asarray(law, np.float64)
+
+
+def _requests(specs, temperature=0.0, seed0=0, **kw):
+    rng = np.random.default_rng(7)
+    return [Request(rng.integers(0, CFG.vocab_size, n).tolist(), temperature=temperature,
+                    max_tokens=m, seed=seed0 + i, request_id=i, **kw) for i, (n, m) in enumerate(specs)]
+
+
+SPECS = [(5, 20), (20, 7), (33, 12), (9, 30), (3, 1), (14, 25)]
+
+
+def test_greedy_spec_is_token_identical_to_stock_random_drafter(target, random_drafter):
+    stock = Engine(CFG, target, (), ECFG).generate(_requests(SPECS))
+    eng = Engine(CFG, target, (), ECFG, drafter=random_drafter, draft_cfg=DCFG)
+    spec = eng.generate(_requests(SPECS))
+    for a, b in zip(stock, spec):
+        assert a.output_ids == b.output_ids
+    assert all(r.step_tokens for r in spec if r.max_tokens > 1)
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1
+
+
+def test_agreeing_drafter_accepts_whole_blocks_greedy_and_sampled():
+    t, d, _ = bigram_pair()
+    for temperature in (0.0, 1.0):
+        stock = Engine(CFG, t, (), ECFG).generate(_requests(SPECS, temperature))
+        spec = Engine(CFG, t, (), ECFG, drafter=d, draft_cfg=DCFG).generate(_requests(SPECS, temperature))
+        for a, b in zip(stock, spec):
+            assert len(b.output_ids) == b.max_tokens
+            if temperature == 0.0:
+                assert a.output_ids == b.output_ids
+            # Every verify step commits K+1 tokens, except the last one cut by max_tokens.
+            assert all(n == K + 1 for n in b.step_tokens[:-1]), b.step_tokens
+            assert b.acceptance_per_position(K)[:1] == ([1.0] if len(b.step_tokens) > 1 else b.acceptance_per_position(K)[:1])
+
+
+def test_seeded_spec_request_alone_or_batched(target, random_drafter):
+    def run(reqs):
+        return Engine(CFG, target, (), ECFG, drafter=random_drafter, draft_cfg=DCFG).generate(reqs)
+    mk = lambda: Request([5, 6, 7, 8], temperature=0.9, top_k=50, top_p=0.95, seed=77, max_tokens=30)
+    alone = run([mk()])[0].output_ids
+    others = _requests([(9, 30), (20, 10), (4, 25)], temperature=1.0, seed0=99)
+    mixed = run(others[:2] + [mk()] + others[2:])
+    assert mixed[2].output_ids == alone and len(alone) == 30
+
+
+def test_teacher_forced_logprobs_verify_equals_decode(target, random_drafter):
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, CFG.vocab_size, 10).tolist()
+    text = rng.integers(0, CFG.vocab_size, 4 * (K + 1)).tolist()
+    stock = teacher_forced_logprobs(Engine(CFG, target, (), ECFG), prompt, text)
+    spec = teacher_forced_logprobs(
+        Engine(CFG, target, (), ECFG, drafter=random_drafter, draft_cfg=DCFG), prompt, text)
+    assert stock.shape == spec.shape == (len(text),)
+    assert np.abs(stock - spec).mean() <= 0.002 and np.abs(stock - spec).max() < 1e-3
+    # And both are the dense forward's log-probabilities.
+    from jspec.qwen3 import forward_logits
+    logits, _ = forward_logits(target, jnp.asarray([prompt + text]))
+    logp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+    ref = [logp[len(prompt) - 1 + i, tok] for i, tok in enumerate(text)]
+    np.testing.assert_allclose(stock, ref, atol=1e-4)
+
+
+def test_spec_sampled_law_end_to_end():
+    """Bigram target on 6 tokens, a drafter with q != p: the emitted pairs (t1, t2), where t2 is
+    produced by a speculative iteration, must follow p(t1|x0) p(t2|t1). Negative control: the
+    same counts against the drafter's own law must be rejected."""
+    t, d, law = bigram_pair(concentrate=6, drafter_noise=0.8)
+    eng = Engine(CFG, t, (), EngineConfig(max_lanes=8, page_size=8, max_context=32, prefill_chunk=8,
+                                          decode_steps=1, attn_impl="xla"), drafter=d, draft_cfg=DCFG)
+    n, x0 = 2400, 3
+    reqs = eng.generate([Request([1, x0], temperature=1.0, max_tokens=3, seed=i) for i in range(n)])
+    pairs = np.array([r.output_ids[:2] for r in reqs])
+    assert pairs.max() < 6
+    counts = np.zeros((6, 6))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    expected = np.outer(law[x0, :6], np.ones(6)) * law[:6, :6]
+    expected = n * expected / expected.sum()
+    keep = expected > 5
+    p_value = stats.chisquare(counts[keep], expected[keep] * counts[keep].sum() / expected[keep].sum()).pvalue
+    assert p_value > 1e-3, p_value
+    # Negative control: the drafter's law q(t2|t1) is different, and the test must see it.
+    q_rows = np.asarray(jax.nn.softmax(jnp.asarray(d.markov_w1[...]) @ jnp.asarray(d.markov_w2[...]).T, -1), np.float64)
+    wrong = np.outer(law[x0, :6], np.ones(6)) * q_rows[:6, :6] / q_rows[:6, :6].sum(1, keepdims=True)
+    wrong = n * wrong / wrong.sum()
+    keep_w = wrong > 5
+    p_wrong = stats.chisquare(counts[keep_w], wrong[keep_w] * counts[keep_w].sum() / wrong[keep_w].sum()).pvalue
+    assert p_wrong < 1e-6, p_wrong
+    assert np.mean([np.mean(r.step_tokens) for r in reqs]) < K  # drafts were actually rejected
+
+
+def test_spec_no_recompilation_after_warmup(target, random_drafter):
+    eng = Engine(CFG, target, (), ECFG, drafter=random_drafter, draft_cfg=DCFG)
+    eng.generate(_requests([(10, 6)]))
+    counts = (compile_count(eng.programs.prefill), compile_count(eng.programs.decode))
+    eng.generate(_requests([(3, 2), (40, 11), (17, 30), (1, 5), (25, 9)], temperature=0.7))
+    eng.generate([Request([1, 2, 3], temperature=1.0, top_k=5, top_p=0.9, max_tokens=8)])
+    assert (compile_count(eng.programs.prefill), compile_count(eng.programs.decode)) == counts
+
+
+def test_spec_preemption_keeps_outputs(target, random_drafter):
+    specs = [(40, 40), (30, 45), (35, 30), (20, 50)]
+    small = Engine(CFG, target, (), EngineConfig(**{**ECFG.__dict__, "num_pages": 16}),
+                   drafter=random_drafter, draft_cfg=DCFG)
+    got = small.generate(_requests(specs, temperature=0.8))
+    assert small.stats["preemptions"] > 0
+    ref = Engine(CFG, target, (), ECFG, drafter=random_drafter, draft_cfg=DCFG).generate(
+        _requests(specs, temperature=0.8))
+    for a, b in zip(got, ref):
+        assert a.output_ids == b.output_ids
+    assert small.allocator.num_free == 15
+
+
+def test_eos_inside_accepted_drafts_ends_the_request():
+    t, d, _ = bigram_pair()
+    (probe,) = Engine(CFG, t, (), ECFG, drafter=d, draft_cfg=DCFG).generate(_requests([(6, 30)]))
+    eos = probe.output_ids[4]  # falls inside the first verify block's accepted drafts
+    first = probe.output_ids.index(eos)
+    (r,) = Engine(CFG, t, (eos,), ECFG, drafter=d, draft_cfg=DCFG).generate(_requests([(6, 30)]))
+    assert r.finish_reason == "eos" and r.output_ids == probe.output_ids[:first + 1]
