@@ -66,7 +66,14 @@ _MAX_SEED = 2**32
 
 CANDIDATE_TOP_K = 64  # lanes with 0 < top_k <= this use the few-pass candidate path
 _CHUNK = 128  # vocabulary chunk of the candidate preselection (151936 = 1187 * 128)
-SEARCH_BITS_PER_PASS = 4  # bit search: 8 vocab passes testing 15 thresholds each
+SEARCH_BITS_PER_PASS = 4  # bit search on accelerators: 8 vocab passes, 15 thresholds each
+
+
+def _bits_per_pass(bits_per_pass):
+    """An accelerator pays per vocab pass, a CPU per comparison: 1 bit per pass there."""
+    if bits_per_pass:
+        return bits_per_pass
+    return 1 if jax.default_backend() == "cpu" else SEARCH_BITS_PER_PASS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +219,7 @@ def _bit_search(threshold_shape, holds, bits_per_pass):
 
 def _search_top_k(x_f32, top_k, bits_per_pass=None):
     """Key [..., 1] of the k-th largest x (with multiplicity), by bit search."""
-    bits_per_pass = bits_per_pass or SEARCH_BITS_PER_PASS
+    bits_per_pass = _bits_per_pass(bits_per_pass)
 
     def at_least_k_above(candidates):
         above = _ordered_uint32(x_f32)[..., None, :] >= candidates[..., :, None]  # [..., C, V]
@@ -224,7 +231,7 @@ def _search_top_k(x_f32, top_k, bits_per_pass=None):
 def _search_top_p(x_f32, x_max, top_p, k_cut, bits_per_pass=None):
     """Key [..., 1] of the nucleus cut of softmax(x restricted to key(x) >= k_cut): the largest
     t with mass(key(x) >= t) >= top_p, by bit search."""
-    bits_per_pass = bits_per_pass or SEARCH_BITS_PER_PASS
+    bits_per_pass = _bits_per_pass(bits_per_pass)
     unnorm = jnp.where(_ordered_uint32(x_f32) >= k_cut, jnp.exp(x_f32 - x_max), 0.0)
     probs = unnorm / jnp.sum(unnorm, axis=-1, keepdims=True)
 
