@@ -1,0 +1,186 @@
+"""Step costs at Qwen3-8B shape (random bf16 weights): stock decode vs one speculative iteration
+(DSpark-8B-shaped drafter: 5 layers, taps [1, 9, 17, 25, 33], Markov rank 256), plus draft-only
+and verify-only times, device memory of the drafter and its cache, and the HBM bound.
+
+  python3 scripts/bench_steps.py --out $OUT/steps.json [--lanes 1,16,32] [--contexts 512,4096]
+
+Lanes sit at the given context length with random K/V; every figure is the median of timed
+dispatches of `--steps` steps (or iterations) after a compile + warm-up dispatch. Results are
+written to the JSON after every measurement, so a run cut short still returns what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="qwen3-8b")
+    ap.add_argument("--lanes", default="1,16,32")
+    ap.add_argument("--spec-lanes", default="1,16,32")
+    ap.add_argument("--contexts", default="512,4096")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--attn-impl", default="auto")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--taps", default="1,9,17,25,33")
+    ap.add_argument("--skip-stock", action="store_true")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jspec.config import PRESETS
+    from jspec.dspark import DSparkConfig, init_random_drafter
+    from jspec.engine import Engine, EngineConfig
+    from jspec.qwen3 import init_random
+    from jspec.sampling import SamplingArrays
+    from jspec.steps import DecodeState
+
+    cfg = PRESETS[args.preset].replace(dtype="bfloat16")
+    rec = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "preset": args.preset,
+           "attn_impl": args.attn_impl, "steps_per_dispatch": args.steps,
+           "page_size": args.page_size, "temperature": args.temperature, "stock": [], "spec": []}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=2)
+
+    def median_time(fn, reps=5):
+        fn()  # compile + warm-up
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return sorted(ts)[len(ts) // 2]
+
+    x = jnp.ones((2 * 2**30,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+    bw = 2 * x.nbytes / median_time(lambda: copy(x).block_until_ready(), 10)
+    del x
+    rec["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+
+    t0 = time.time()
+    target = init_random(cfg, seed=0)
+    taps = tuple(int(t) for t in args.taps.split(","))
+    dcfg = DSparkConfig(layers=cfg.replace(num_layers=args.draft_layers), block_size=7,
+                        mask_token_id=151669 if cfg.vocab_size > 151669 else cfg.vocab_size - 1,
+                        target_layer_ids=taps, markov_rank=256 if cfg.hidden_size >= 256 else 16)
+    drafter = init_random_drafter(dcfg, seed=1)
+    jax.block_until_ready((nnx.state(target), nnx.state(drafter)))
+    rec["init_s"] = time.time() - t0
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(nnx.state(target)))
+    embed_bytes = target.embed_tokens[...].nbytes
+    rec["target_weight_bytes"] = weight_bytes
+    rec["drafter_weight_bytes"] = sum(a.nbytes for a in jax.tree.leaves(nnx.state(drafter)))
+    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    lanes_all = sorted({int(v) for v in (args.lanes + "," + args.spec_lanes).split(",")})
+    contexts = [int(c) for c in args.contexts.split(",")]
+    max_lanes = max(lanes_all)
+
+    def random_caches(caches, seed):
+        key = jax.random.key(seed)
+        return [tuple(jax.random.normal(jax.random.fold_in(key, 2 * i + j), c.shape, c.dtype)
+                      for j, c in enumerate(pair)) for i, pair in enumerate(caches)]
+
+    def state_for(eng, lanes, ctx):
+        ppl = eng.ecfg.pages_per_lane
+        table = np.zeros((lanes, ppl), np.int32)
+        for b in range(lanes):
+            table[b] = 1 + b * ppl + np.arange(ppl)
+        return DecodeState(
+            tokens=jnp.asarray(np.random.default_rng(0).integers(0, 150000, lanes), jnp.int32),
+            lengths=jnp.full((lanes,), ctx, jnp.int32), page_table=jnp.asarray(table),
+            active=jnp.ones((lanes,), bool), remaining=jnp.full((lanes,), 10**6, jnp.int32),
+            stop_on_eos=jnp.zeros((lanes,), bool),
+            sampling=SamplingArrays.from_lists([args.temperature] * lanes, seed=list(range(lanes))))
+
+    def ecfg_for(width):
+        return EngineConfig(max_lanes=max_lanes, page_size=args.page_size,
+                            max_context=max(contexts) + (args.steps + 1) * width,
+                            decode_steps=args.steps, attn_impl=args.attn_impl)
+
+    if not args.skip_stock:
+        eng = Engine(cfg, target, (), ecfg_for(1))
+        eng.caches = random_caches(eng.caches, 1)
+        for lanes in [int(v) for v in args.lanes.split(",")]:
+            for ctx in contexts:
+                state = state_for(eng, lanes, ctx)
+
+                def run():
+                    eng.caches, _, toks, _ = eng.programs.decode(eng.params, eng.caches, state,
+                                                                 num_steps=args.steps)
+                    toks.block_until_ready()
+
+                t = time.perf_counter()
+                step_s = median_time(run) / args.steps
+                step_bytes = weight_bytes - embed_bytes + lanes * ctx * kv_token_bytes
+                r = {"lanes": lanes, "context": ctx, "step_ms": step_s * 1e3,
+                     "tokens_per_s": lanes / step_s, "bench_s": time.perf_counter() - t,
+                     "hbm_bound_ms": step_bytes / bw * 1e3,
+                     "fraction_of_hbm_bound": step_bytes / bw / step_s}
+                rec["stock"].append(r)
+                print("stock", json.dumps(r), flush=True)
+                save()
+        del eng
+
+    eng = Engine(cfg, target, (), ecfg_for(8), drafter=drafter, draft_cfg=dcfg)
+    eng.caches = (random_caches(eng.caches[0], 2), random_caches(eng.caches[1], 3))
+    rec["draft_cache_bytes_per_token"] = 2 * dcfg.layers.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    rec["target_cache_bytes_per_token"] = kv_token_bytes
+    tgt, drf = eng.programs.models(eng.params)
+    draft_only = jax.jit(lambda p, dc, st: eng.programs.draft(*eng.programs.models(p), dc, st)[1:])
+    verify_only = jax.jit(lambda p, tc, st, d: eng.programs.verify(
+        eng.programs.models(p)[0], tc, st, d)[1])
+    for lanes in [int(v) for v in args.spec_lanes.split(",")]:
+        for ctx in contexts:
+            state = state_for(eng, lanes, ctx)
+
+            def run():
+                eng.caches, _, toks, _, _ = eng.programs.decode(eng.params, eng.caches, state,
+                                                                num_steps=args.steps)
+                toks.block_until_ready()
+
+            t = time.perf_counter()
+            it_s = median_time(run) / args.steps
+            r = {"lanes": lanes, "context": ctx, "iteration_ms": it_s * 1e3}
+            if lanes == 1 and ctx == contexts[0]:  # the split costs two more compiles
+                drafts = jnp.zeros((lanes, 7), jnp.int32)
+                r["draft_ms"] = median_time(lambda: jax.block_until_ready(
+                    draft_only(eng.params, eng.caches[1], state))) * 1e3
+                r["verify_ms"] = median_time(lambda: jax.block_until_ready(
+                    verify_only(eng.params, eng.caches[0], state, drafts))) * 1e3
+            stock = [s for s in rec["stock"] if s["lanes"] == lanes and s["context"] == ctx]
+            if stock:
+                r["iteration_over_stock_step"] = r["iteration_ms"] / stock[0]["step_ms"]
+            r["bench_s"] = time.perf_counter() - t
+            rec["spec"].append(r)
+            print("spec", json.dumps(r), flush=True)
+            save()
+    stats = jax.devices()[0].memory_stats() or {}
+    rec["peak_device_bytes"] = stats.get("peak_bytes_in_use")
+    save()
+    print("| lanes | ctx | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rec["spec"] or [{}]:
+        s = next((x for x in rec["stock"] if x["lanes"] == r.get("lanes") and x["context"] == r.get("context")), {})
+        print(f"| {r.get('lanes', s.get('lanes'))} | {r.get('context', s.get('context'))} | {s.get('step_ms', float('nan')):.2f} | "
+              f"{s.get('tokens_per_s', float('nan')):.0f} | {s.get('fraction_of_hbm_bound', float('nan')):.2f} | "
+              f"{r.get('iteration_ms', float('nan')):.2f} | {r.get('draft_ms', float('nan')):.2f} | "
+              f"{r.get('verify_ms', float('nan')):.2f} | {r.get('iteration_over_stock_step', float('nan')):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
