@@ -113,9 +113,8 @@ def _emit(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, num_
 
     rows = jnp.arange(num_rows)[None, :]  # output slot i is position s+1+i
     drafts = jnp.concatenate([draft_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    draft_lp = jnp.take_along_axis(
-        target_logprobs[:, :num_drafts_max], jnp.clip(draft_tokens, 0, vocab - 1)[..., None], axis=-1
-    )[..., 0]
+    draft_ids = jnp.clip(draft_tokens, 0, vocab - 1)[..., None]
+    draft_lp = jnp.take_along_axis(target_logprobs[:, :num_drafts_max], draft_ids, axis=-1)[..., 0]
     draft_lp = jnp.concatenate([draft_lp, jnp.zeros((batch, 1), jnp.float32)], axis=1)
     accepted = rows < num_accepted[:, None]
     is_new = rows == num_accepted[:, None]

@@ -27,9 +27,9 @@ parameters, never on the batch):
     `lax.top_k` over those 8192 candidates gives the k-th value, and a cumsum over the sorted
     survivors gives the top-p cut. About four vocab passes in all.
   * larger top_k, or top-p without top-k: a bitwise search over the order-preserving uint32
-    image of x (the tpu-inference / T5X trick, widened to 4 bits per pass): 8 vocab passes, each
-    counting (top-k) or summing the mass (top-p) above 15 candidate thresholds at once. No sort,
-    gather or scatter over the vocabulary.
+    image of x (the tpu-inference / T5X trick, widened to 2 bits per pass on accelerators): 16
+    vocab passes, each counting (top-k) or summing the mass (top-p) above 3 candidate thresholds
+    at once (1 bit, 32 passes, on CPU). No sort, gather or scatter over the vocabulary.
   Each path is skipped with `lax.cond` when no lane in the batch needs it, so plain temperature
   sampling costs one log-softmax. The two paths compute the same cut up to the order of the fp32
   mass summation, which matters only when a prefix mass is within rounding of top_p.
@@ -66,7 +66,7 @@ _MAX_SEED = 2**32
 
 CANDIDATE_TOP_K = 64  # lanes with 0 < top_k <= this use the few-pass candidate path
 _CHUNK = 128  # vocabulary chunk of the candidate preselection (151936 = 1187 * 128)
-SEARCH_BITS_PER_PASS = 4  # bit search on accelerators: 8 vocab passes, 15 thresholds each
+SEARCH_BITS_PER_PASS = 2  # bit search on accelerators: 16 vocab passes, 3 thresholds each
 
 
 def _bits_per_pass(bits_per_pass):
@@ -232,11 +232,14 @@ def _search_top_p(x_f32, x_max, top_p, k_cut, bits_per_pass=None):
     """Key [..., 1] of the nucleus cut of softmax(x restricted to key(x) >= k_cut): the largest
     t with mass(key(x) >= t) >= top_p, by bit search."""
     bits_per_pass = _bits_per_pass(bits_per_pass)
-    unnorm = jnp.where(_ordered_uint32(x_f32) >= k_cut, jnp.exp(x_f32 - x_max), 0.0)
-    probs = unnorm / jnp.sum(unnorm, axis=-1, keepdims=True)
+    survives = _ordered_uint32(x_f32) >= k_cut
+    z = jnp.sum(jnp.where(survives, jnp.exp(x_f32 - x_max), 0.0), axis=-1, keepdims=True)
 
     def mass_reaches_top_p(candidates):
-        above = _ordered_uint32(x_f32)[..., None, :] >= candidates[..., :, None]  # [..., C, V]
+        # probs are recomputed from x in every pass: an exp is cheaper than reading a 2nd array
+        key = _ordered_uint32(x_f32)
+        probs = jnp.where(key >= k_cut, jnp.exp(x_f32 - x_max), 0.0) / z
+        above = key[..., None, :] >= candidates[..., :, None]  # [..., C, V]
         mass = jnp.sum(jnp.where(above, probs[..., None, :], 0.0), axis=-1)
         return mass >= top_p
 
@@ -362,7 +365,7 @@ def token_key(seed_or_base_key, position, purpose):
 
 
 def token_keys(seeds, positions, purpose):
-    """Elementwise `token_key` over broadcast seeds / positions, e.g. [B] x [B, K] -> keys [B, K]."""
+    """Elementwise `token_key` over broadcast seeds / positions: [B] x [B, K] -> keys [B, K]."""
     positions = jnp.asarray(positions)
     seeds = jnp.asarray(seeds)
     seeds = seeds.reshape(seeds.shape + (1,) * (positions.ndim - seeds.ndim))

@@ -213,7 +213,7 @@ def test_candidate_and_search_paths_agree():
     candidates = jax.jit(sampling._candidate_top_k_top_p)
     cand_k = candidates(x, top_k, top_p, jnp.zeros((rows, 1), bool))
     cand_kp = candidates(x, top_k, top_p, jnp.ones((rows, 1), bool))
-    for bits_per_pass in (1, 4):  # the search is exact whatever its radix (CPU 1, GPU 4)
+    for bits_per_pass in (1, 2):  # the search is exact whatever its radix (CPU 1, GPU 2)
         search = jax.jit(lambda x, k, p: (
             k_cut := sampling._search_top_k(x, k, bits_per_pass),
             sampling._search_top_p(x, x_max, p, k_cut, bits_per_pass)))
