@@ -48,6 +48,10 @@ class GenerationResult:
     logprobs: list[float]  # log p_model(token) of each generated token (temperature 1, unfiltered)
     finish_reason: str  # "eos" | "length" | "stop"
     prompt_token_ids: list[int]
+    # Speculative decoding only: mean tokens committed per verify step (bonus included), and the
+    # share of verify steps whose k-th draft was accepted, k = 1..num_draft_tokens.
+    tokens_per_step: float | None = None
+    acceptance_per_position: list[float] | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -56,23 +60,34 @@ class GenerationResult:
 class LLM:
     """A Qwen3 model served by jspec. `model` is a Hugging Face or jspec directory."""
 
-    def __init__(self, model: str | Path, *, dtype: str | None = None, max_lanes: int = 8,
+    def __init__(self, model: str | Path, *, draft: str | Path | None = None,
+                 num_draft_tokens: int | None = None, dtype: str | None = None, max_lanes: int = 8,
                  max_context: int = 4096, page_size: int = 16, num_pages: int | None = None,
-                 decode_steps: int = 16, prefill_chunk: int = 256, attn_impl: str = "auto",
+                 decode_steps: int | None = None, prefill_chunk: int = 256, attn_impl: str = "auto",
                  progress: bool = False):
-        from jspec.loading import load_model
+        """`draft`: a DSpark / DFlash drafter directory for `model`; speculative decoding then
+        proposes `num_draft_tokens` (default: the drafter's block size) tokens per step."""
+        from jspec.loading import load_drafter, load_model
         from jspec.tokenizer import Tokenizer
 
         self.model_dir = Path(model)
         self.cfg, model_module = load_model(self.model_dir, dtype=dtype, progress=progress)
+        drafter = draft_cfg = None
+        if draft is not None:
+            draft_cfg, drafter = load_drafter(draft, self.cfg, model_module, progress=progress)
+        elif num_draft_tokens is not None:
+            raise ValueError("num_draft_tokens needs a draft model")
         try:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{self.model_dir}: cannot load its tokenizer: {e}") from None
         max_context = min(max_context, self.cfg.max_position_embeddings)
+        if decode_steps is None:  # about 16 tokens per lane per dispatch either way
+            decode_steps = 2 if drafter is not None else 16
         self.engine = Engine(self.cfg, model_module, self.tokenizer.eos_ids, EngineConfig(
             max_lanes=max_lanes, page_size=page_size, max_context=max_context, num_pages=num_pages,
-            prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl))
+            prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl),
+            drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens)
         self._seeds = np.random.default_rng()
 
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -118,7 +133,9 @@ class LLM:
                 prompt=prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt)),
                 text=stream.text, token_ids=req.output_ids[:n], logprobs=req.logprobs[:n],
                 finish_reason="stop" if stream.stopped else req.finish_reason,
-                prompt_token_ids=req.prompt_ids))
+                prompt_token_ids=req.prompt_ids, tokens_per_step=req.tokens_per_step,
+                acceptance_per_position=(req.acceptance_per_position(self.engine.num_draft)
+                                         if req.step_tokens else None)))
         return results
 
 

@@ -33,8 +33,8 @@ def _cmd_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, max_lanes=args.max_lanes, max_context=args.max_context,
-              attn_impl=args.attn_impl)
+    llm = LLM(args.model, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+              max_lanes=args.max_lanes, max_context=args.max_context, attn_impl=args.attn_impl)
     stream = not args.json and len(prompts) == 1
 
     def on_text(i, text):
@@ -43,11 +43,17 @@ def _cmd_generate(args) -> int:
     results = llm.generate(prompts, params, chat=args.chat, on_text=on_text if stream else None)
     for i, r in enumerate(results):
         if args.json:
-            print(json.dumps({"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
-                              "logprobs": r.logprobs, "finish_reason": r.finish_reason,
-                              "num_prompt_tokens": len(r.prompt_token_ids)}), flush=True)
+            record = {"prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
+                      "logprobs": r.logprobs, "finish_reason": r.finish_reason,
+                      "num_prompt_tokens": len(r.prompt_token_ids)}
+            if r.tokens_per_step is not None:
+                record.update(tokens_per_step=r.tokens_per_step,
+                              acceptance_per_position=r.acceptance_per_position)
+            print(json.dumps(record), flush=True)
         elif stream:
             print()
+            if r.tokens_per_step is not None:
+                print(f"[{r.tokens_per_step:.2f} tokens per verify step]", file=sys.stderr)
         else:
             print(f"=== prompt {i} ({r.finish_reason}, {len(r.token_ids)} tokens)")
             print(r.text, flush=True)
@@ -70,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text for prompts")
     p.add_argument("--model", required=True, help="model directory (Hugging Face or jspec)")
+    p.add_argument("--draft", help="DSpark / DFlash drafter directory: speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, help="tokens proposed per step (default: "
+                   "the drafter's block size)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     p.add_argument("--prompts", help="JSONL file of {\"turns\": [...]} records (first turn used)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the Qwen3 chat template")

@@ -97,7 +97,8 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, cfg: Qwen3Config, model: Qwen3, eos_ids: Sequence[int],
-                 engine_cfg: EngineConfig = EngineConfig(), drafter=None, draft_cfg=None):
+                 engine_cfg: EngineConfig = EngineConfig(), drafter=None, draft_cfg=None,
+                 num_draft: int | None = None):
         """Stock decoding, or speculative decoding when a DSpark/DFlash `drafter` is given."""
         self.cfg = cfg
         if engine_cfg.max_context > cfg.max_position_embeddings:
@@ -105,7 +106,15 @@ class Engine:
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.eos_ids = tuple(eos_ids)
         self.draft_cfg = draft_cfg
-        width = draft_cfg.block_size + 1 if drafter is not None else 1
+        self.num_draft = 0
+        if drafter is not None:
+            self.num_draft = draft_cfg.block_size if num_draft is None else num_draft
+            if not 1 <= self.num_draft <= draft_cfg.block_size:
+                raise ValueError(f"num_draft_tokens must be in 1..{draft_cfg.block_size} (the "
+                                 f"drafter's block size), got {self.num_draft}")
+        # Positions one step writes past the committed length: verify's K+1, or the draft
+        # block when it is wider (its keys are written past the committed length too).
+        width = max(self.num_draft + 1, draft_cfg.block_size) if drafter is not None else 1
         self.ecfg = engine_cfg = dataclasses.replace(engine_cfg, step_width=width)
         graphdef, target_params = nnx.split(model)
         self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,
@@ -126,7 +135,7 @@ class Engine:
                 self.cache_shape, num_layers=draft_cfg.layers.num_layers)
             self.caches = (init_kv_caches(self.cache_shape), init_kv_caches(self.draft_cache_shape))
             self.programs = SpecPrograms(graphdef, draft_graphdef, draft_cfg, engine_cfg.page_size,
-                                         self.eos_ids, engine_cfg.attn_impl)
+                                         self.eos_ids, engine_cfg.attn_impl, self.num_draft)
         self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
         self._admissions = itertools.count(1)
         self.stats = collections.Counter()

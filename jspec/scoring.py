@@ -15,7 +15,7 @@ def teacher_forced_logprobs(engine: Engine, prompt_ids: list[int], continuation:
     """log p(continuation[i] | prompt, continuation[:i]) for each i, through the engine's decode
     path (stock) or verify path (speculative). The prompt minus its last token is prefilled;
     the last prompt token is the first input of the scored path."""
-    width = engine.ecfg.step_width
+    width = engine.num_draft + 1 if engine.num_draft else 1
     n = len(continuation)
     if width > 1 and n % width:
         raise ValueError(f"continuation length {n} must be a multiple of the verify width {width}")

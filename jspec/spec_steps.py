@@ -44,9 +44,14 @@ def _lane_grid(num_lanes: int, width: int):
 
 class SpecPrograms:
     def __init__(self, target_graphdef, draft_graphdef, dcfg: DSparkConfig, page_size: int,
-                 eos_ids: tuple[int, ...], attn_impl: str = "auto"):
+                 eos_ids: tuple[int, ...], attn_impl: str = "auto", num_draft: int | None = None):
         self.tg, self.dg, self.dcfg = target_graphdef, draft_graphdef, dcfg
-        self.k = dcfg.block_size
+        # The drafter always runs its whole block (that is what it was trained on); only the
+        # first `num_draft` tokens are proposed and verified.
+        self.k = num_draft or dcfg.block_size
+        if not 1 <= self.k <= dcfg.block_size:
+            raise ValueError(f"num_draft_tokens must be in 1..{dcfg.block_size} (the drafter's "
+                             f"block size), got {self.k}")
         self.page_size = page_size
         self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
         self.attn_impl = attn_impl
@@ -90,7 +95,7 @@ class SpecPrograms:
 
     def draft(self, target: Qwen3, drafter: DSparkDrafter, dcaches, state: DecodeState):
         """Returns (dcaches, draft tokens [B,K], q log-probs [B,K,V] f32)."""
-        K, B = self.k, state.tokens.shape[0]
+        K, B = self.dcfg.block_size, state.tokens.shape[0]
         lanes_t, offs_t = _lane_grid(B, K)
         s_b = state.lengths
         block_bk = jnp.concatenate(
@@ -107,7 +112,7 @@ class SpecPrograms:
         base_bkv = target.logits(hidden_1td[0].reshape(B, K, -1))  # U, fp32
         prev = state.tokens
         tokens, q_logprobs = [], []
-        for k in range(K):  # the Markov chain: each step conditions on the sampled previous token
+        for k in range(self.k):  # the Markov chain: each step conditions on the sampled previous token
             logits_bv = base_bkv[:, k] + drafter.markov_bias(prev, hidden_1td[0].reshape(B, K, -1)[:, k])
             x_b, q_bv = draft_sample(logits_bv, state.sampling, s_b + k + 1)
             tokens.append(x_b)

@@ -184,3 +184,55 @@ def test_eos_inside_accepted_drafts_ends_the_request():
     first = probe.output_ids.index(eos)
     (r,) = Engine(CFG, t, (eos,), ECFG, drafter=d, draft_cfg=DCFG).generate(_requests([(6, 30)]))
     assert r.finish_reason == "eos" and r.output_ids == probe.output_ids[:first + 1]
+
+
+# ---- API and CLI with a draft model ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_pair_dirs(tmp_path_factory):
+    from hf_models import make_hf_qwen3, save_drafter_checkpoint, write_tiny_tokenizer
+    from jspec.loading import load_model
+    d = tmp_path_factory.mktemp("tiny-target")
+    make_hf_qwen3(CFG, d, seed=5, std=0.3)
+    write_tiny_tokenizer(d, CFG.vocab_size)
+    _, target = load_model(d)
+    dd = tmp_path_factory.mktemp("tiny-draft")
+    save_drafter_checkpoint(_scaled(init_random_drafter(DCFG, seed=8), 5), DCFG, dd, target=target)
+    return d, dd
+
+
+def test_api_speculative_greedy_matches_stock_and_reports_stats(tiny_pair_dirs):
+    from jspec.api import LLM, SamplingParams
+    target_dir, draft_dir = tiny_pair_dirs
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = ["def add(a, b):", "The quick brown"]
+    stock = LLM(target_dir, max_lanes=2, max_context=128, attn_impl="xla").generate(prompts, greedy)
+    for k in (None, 3):
+        llm = LLM(target_dir, draft=draft_dir, num_draft_tokens=k, max_lanes=2, max_context=128,
+                  attn_impl="xla")
+        spec = llm.generate(prompts, greedy)
+        for a, b in zip(stock, spec):
+            assert a.token_ids == b.token_ids and a.text == b.text
+            assert a.tokens_per_step is None and 1.0 <= b.tokens_per_step <= (k or K) + 1
+            assert len(b.acceptance_per_position) == (k or K)
+
+
+@pytest.mark.parametrize("k", [0, K + 1])
+def test_num_draft_tokens_out_of_range(tiny_pair_dirs, k):
+    from jspec.api import LLM
+    target_dir, draft_dir = tiny_pair_dirs
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        LLM(target_dir, draft=draft_dir, num_draft_tokens=k, max_context=128, attn_impl="xla")
+
+
+def test_cli_generate_with_draft_json(tiny_pair_dirs, capsys):
+    import json
+    from jspec.cli import main
+    target_dir, draft_dir = tiny_pair_dirs
+    args = ["generate", "--model", str(target_dir), "--draft", str(draft_dir), "--prompt", "def f(x):",
+            "--max-tokens", "12", "--seed", "3", "--max-context", "128", "--attn-impl", "xla", "--json"]
+    assert main(args) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["tokens_per_step"] >= 1.0 and len(record["acceptance_per_position"]) == K
+    assert main(args[:3] + ["--draft", str(target_dir)] + args[5:]) == 2  # a target is no drafter
+    assert "not a DSpark" in capsys.readouterr().err

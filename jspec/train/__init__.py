@@ -1,0 +1,144 @@
+"""Training for jspec (optax): target pre-training and DSpark / DFlash drafter distillation.
+
+  data           corpus -> manifest, tokens, packed rows, held-out split; reply sequences;
+                 deterministic, resumable batch order
+  target         next-token pre-training of a Qwen3 target
+  drafter        DeepSpec's objective against a frozen target (and the DFlash ablation)
+  checkpointing  resumable checkpoints, the loss log, the training loop, HF / DeepSpec export
+
+Shared here: the optimizer, the binding between trainable arrays and NNX modules, the layer
+loop with optional rematerialisation, and vocabulary-sized losses computed in row chunks.
+
+Precision: master params and optimizer state are fp32 pure dicts (`nnx.to_pure_dict` layout).
+With `compute_dtype="bfloat16"` the forward casts the masters to bf16 inside the differentiated
+function (bf16 compute, fp32 masters and grads, as DeepSpec's BF16Optimizer); softmaxes, norms
+and losses stay fp32. The module graph is split once per trainer and the step is jitted once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+Array = jax.Array
+Params = Any  # a pure dict of arrays, as nnx.to_pure_dict gives
+
+
+# ---- optimizer --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    total_steps: int
+    lr: float = 6e-4
+    warmup_frac: float = 0.04  # linear warm-up over this fraction of the steps, then cosine to end
+    end_lr_frac: float = 0.0
+    weight_decay: float = 0.0  # on matrices only (ndim >= 2), never on norms or biases
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    warmup = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(cfg.total_steps, warmup + 1), end_value=cfg.lr * cfg.end_lr_frac)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+# ---- arrays <-> modules -------------------------------------------------------------------------
+
+def cast_floats(tree, dtype) -> Any:
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)
+
+
+class ModuleBinder:
+    """Split a module once; rebuild it around any pure dict of same-shaped arrays (inside jit
+    too). Training keeps pure dicts: their layout does not depend on the flax version."""
+
+    def __init__(self, module: nnx.Module):
+        self.graphdef, self._template = nnx.split(module)
+
+    def params(self, module: nnx.Module) -> Params:
+        return nnx.to_pure_dict(nnx.state(module))
+
+    def bind(self, params: Params) -> nnx.Module:
+        state = jax.tree.map(lambda x: x, self._template)  # a fresh State to fill
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+
+@dataclasses.dataclass
+class TrainState:
+    params: Params          # fp32 masters
+    opt_state: Any
+    step: int               # optimizer steps done
+    data_position: int      # batches consumed from the data order
+    rng: Array              # base key (uint32 key data); step keys are fold_in(rng, step)
+
+
+# ---- the layer loop ---------------------------------------------------------------------------
+
+def run_layers(layers: Sequence[nnx.Module], x_btd: Array, positions_bt: Array,
+               attention: Callable, remat: bool) -> Array:
+    """x through decoder layers (no caches). With `remat`, each layer's activations are
+    recomputed in the backward pass: only the layer inputs stay live (long sequences)."""
+    for i, layer in enumerate(layers):
+        if not remat:
+            x_btd, _ = layer(i, x_btd, positions_bt, attention, None)
+            continue
+        graphdef, state = nnx.split(layer)
+
+        @jax.checkpoint
+        def apply(state, x, i=i, graphdef=graphdef):
+            return nnx.merge(graphdef, state)(i, x, positions_bt, attention, None)[0]
+
+        x_btd = apply(state, x_btd)
+    return x_btd
+
+
+# ---- vocabulary-sized terms in row chunks -----------------------------------------------------
+
+def sum_over_row_chunks(fn: Callable[[dict], tuple[dict, dict]], rows: dict[str, Array],
+                        chunk: int) -> tuple[dict, dict]:
+    """fn(rows of one chunk) -> (sums, per_row). Rows are cut into chunks of `chunk` (the last
+    padded with zeros: fn must weight its sums so zero rows add nothing); each chunk's [chunk, V]
+    logits live only inside a rematerialised scan step, so V-sized tensors never exist for all
+    rows at once. Returns (sums added over chunks, per_row values for the real rows)."""
+    n_rows = jax.tree.leaves(rows)[0].shape[0]
+    chunk = max(1, min(chunk, n_rows))
+    n_chunks = -(-n_rows // chunk)
+    pad = n_chunks * chunk - n_rows
+
+    def split(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape((n_chunks, chunk) + x.shape[1:])
+
+    chunks = jax.tree.map(split, rows)
+    body = jax.checkpoint(fn)
+    first = jax.tree.map(lambda x: x[0], chunks)
+    sums_shape = jax.eval_shape(body, first)[0]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+
+    def step(acc, chunk_rows):
+        sums, per_row = body(chunk_rows)
+        return jax.tree.map(jnp.add, acc, sums), per_row
+
+    sums, per_row = jax.lax.scan(step, zeros, chunks)
+    per_row = jax.tree.map(lambda x: x.reshape((n_chunks * chunk,) + x.shape[2:])[:n_rows], per_row)
+    return sums, per_row
