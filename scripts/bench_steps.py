@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--taps", default="1,9,17,25,33")
     ap.add_argument("--skip-stock", action="store_true")
+    ap.add_argument("--skip-iteration", action="store_true", help="only the draft / verify split")
+    ap.add_argument("--split-lanes", default="1", help="lane counts at which draft and verify "
+                    "are also timed alone (at the first context)")
     args = ap.parse_args()
 
     import jax
@@ -156,9 +159,11 @@ def main():
                 toks.block_until_ready()
 
             t = time.perf_counter()
-            it_s = median_time(run) / args.steps
-            r = {"lanes": lanes, "context": ctx, "iteration_ms": it_s * 1e3}
-            if lanes == 1 and ctx == contexts[0]:  # the split costs two more compiles
+            r = {"lanes": lanes, "context": ctx}
+            if not args.skip_iteration:
+                r["iteration_ms"] = median_time(run) / args.steps * 1e3
+            split_lanes = [int(v) for v in args.split_lanes.split(",") if v]
+            if lanes in split_lanes and ctx == contexts[0]:  # the split costs two more compiles
                 drafts = jnp.zeros((lanes, eng.num_draft), jnp.int32)
 
                 def run_draft():
@@ -174,7 +179,7 @@ def main():
                 r["draft_ms"] = median_time(run_draft) * 1e3
                 r["verify_ms"] = median_time(run_verify) * 1e3
             stock = [s for s in rec["stock"] if s["lanes"] == lanes and s["context"] == ctx]
-            if stock:
+            if stock and "iteration_ms" in r:
                 r["iteration_over_stock_step"] = r["iteration_ms"] / stock[0]["step_ms"]
             r["bench_s"] = time.perf_counter() - t
             rec["spec"].append(r)
