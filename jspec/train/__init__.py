@@ -59,6 +59,16 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
                     weight_decay=cfg.weight_decay, mask=decay_mask))
 
 
+def commit(tree) -> Any:
+    """Arrays placed explicitly on the default device. Step outputs are committed; inputs must
+    be too, or the second step compiles a second program."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
+def global_norm(tree) -> Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 # ---- arrays <-> modules -------------------------------------------------------------------------
 
 def cast_floats(tree, dtype) -> Any:
@@ -69,12 +79,22 @@ def cast_floats(tree, dtype) -> Any:
 
 class ModuleBinder:
     """Split a module once; rebuild it around any pure dict of same-shaped arrays (inside jit
-    too). Training keeps pure dicts: their layout does not depend on the flax version."""
+    too). Training keeps pure dicts: their layout does not depend on the flax version.
+    Binders compare by module structure, so they are jit static arguments and trainers of the
+    same shapes share compiled steps."""
 
     def __init__(self, module: nnx.Module):
-        self.graphdef, self._template = nnx.split(module)
+        self.graphdef, state = nnx.split(module)
+        self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
 
-    def params(self, module: nnx.Module) -> Params:
+    def __hash__(self):
+        return hash(self.graphdef)
+
+    def __eq__(self, other):
+        return isinstance(other, ModuleBinder) and self.graphdef == other.graphdef
+
+    @staticmethod
+    def params(module: nnx.Module) -> Params:
         return nnx.to_pure_dict(nnx.state(module))
 
     def bind(self, params: Params) -> nnx.Module:
@@ -95,20 +115,23 @@ class TrainState:
 # ---- the layer loop ---------------------------------------------------------------------------
 
 def run_layers(layers: Sequence[nnx.Module], x_btd: Array, positions_bt: Array,
-               attention: Callable, remat: bool) -> Array:
-    """x through decoder layers (no caches). With `remat`, each layer's activations are
-    recomputed in the backward pass: only the layer inputs stay live (long sequences)."""
+               attention: Callable, remat: bool, outputs: dict | None = None) -> Array:
+    """x through decoder layers (no caches), as Qwen3.__call__ / DSparkDrafter.block_hidden
+    loop them; layer i's output goes to outputs[i] when given (taps). With `remat`, each layer's
+    activations are recomputed in the backward pass: only layer inputs stay live."""
     for i, layer in enumerate(layers):
-        if not remat:
+        if remat:
+            graphdef, state = nnx.split(layer)
+
+            @jax.checkpoint
+            def apply(state, x, i=i, graphdef=graphdef):
+                return nnx.merge(graphdef, state)(i, x, positions_bt, attention, None)[0]
+
+            x_btd = apply(state, x_btd)
+        else:
             x_btd, _ = layer(i, x_btd, positions_bt, attention, None)
-            continue
-        graphdef, state = nnx.split(layer)
-
-        @jax.checkpoint
-        def apply(state, x, i=i, graphdef=graphdef):
-            return nnx.merge(graphdef, state)(i, x, positions_bt, attention, None)[0]
-
-        x_btd = apply(state, x_btd)
+        if outputs is not None:
+            outputs[i] = x_btd
     return x_btd
 
 

@@ -1,0 +1,165 @@
+"""Training data: corpus gathering, manifest, packing, held-out split, reply sequences, and a
+deterministic batch order that a checkpoint can resume from (a batch is a pure function of the
+seed and its position, so the iterator's whole state is one integer).
+
+Pure NumPy: nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+# ---- corpus -------------------------------------------------------------------------------------
+
+def gather_corpus(root: str | Path, suffixes: Sequence[str] = (".py",)) -> list[Path]:
+    """Files under root with one of the suffixes, sorted by relative path (stable across runs)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"corpus directory {str(root)!r} does not exist")
+    files = [p for p in root.rglob("*") if p.suffix in suffixes and p.is_file() and not p.is_symlink()]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def corpus_manifest(root: str | Path, files: Sequence[Path]) -> dict:
+    """File count, bytes and sha256 per file, and one sha256 over the (path, sha256) list."""
+    root = Path(root)
+    entries, total = [], hashlib.sha256()
+    for path in files:
+        data = path.read_bytes()
+        rel = path.relative_to(root).as_posix()
+        digest = hashlib.sha256(data).hexdigest()
+        entries.append({"path": rel, "bytes": len(data), "sha256": digest})
+        total.update(f"{rel}\0{digest}\n".encode())
+    return {"root": str(root.resolve()), "file_count": len(entries),
+            "total_bytes": sum(e["bytes"] for e in entries), "sha256": total.hexdigest(),
+            "files": entries}
+
+
+def read_texts(files: Iterable[Path]) -> list[str]:
+    # Source files are almost always UTF-8; a stray byte becomes U+FFFD rather than a crash.
+    return [p.read_bytes().decode("utf-8", errors="replace") for p in files]
+
+
+def tokenize_documents(texts: Sequence[str], tokenizer, batch: int = 256) -> list[list[int]]:
+    """Token ids per document (nothing added); empty documents are dropped."""
+    docs = []
+    for i in range(0, len(texts), batch):
+        docs.extend(ids for ids in tokenizer.encode_batch(list(texts[i:i + batch])) if ids)
+    return docs
+
+
+# ---- pre-training rows --------------------------------------------------------------------------
+
+def split_documents(docs: Sequence[list[int]], heldout_fraction: float, seed: int
+                    ) -> tuple[list[list[int]], list[list[int]]]:
+    """(train, held-out), split by whole documents so no held-out text leaks into training."""
+    order = np.random.default_rng(seed).permutation(len(docs))
+    n_held = int(round(heldout_fraction * len(docs)))
+    if heldout_fraction > 0 and len(docs) > 1:
+        n_held = min(max(n_held, 1), len(docs) - 1)
+    held = sorted(order[:n_held].tolist())
+    train = sorted(order[n_held:].tolist())
+    return [docs[i] for i in train], [docs[i] for i in held]
+
+
+def pack_documents(docs: Sequence[list[int]], seq_len: int, sep_id: int) -> np.ndarray:
+    """[N, seq_len] int32: documents joined, each followed by `sep_id`, cut into full rows (the
+    tail that does not fill a row is dropped). Documents longer than a row span rows."""
+    stream = np.fromiter((t for doc in docs for t in (*doc, sep_id)), np.int32)
+    n = len(stream) // seq_len
+    return stream[:n * seq_len].reshape(n, seq_len)
+
+
+# ---- batch order --------------------------------------------------------------------------------
+
+class BatchOrder:
+    """Batch `position` of an endless sequence of epochs; each epoch is a permutation of the
+    examples drawn from (seed, epoch), and the last incomplete batch of an epoch is dropped."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int):
+        if num_examples < batch_size:
+            raise ValueError(f"{num_examples} examples cannot fill a batch of {batch_size}")
+        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.batches_per_epoch = num_examples // batch_size
+
+    def indices(self, position: int) -> np.ndarray:
+        epoch, offset = divmod(position, self.batches_per_epoch)
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+        return perm[offset * self.batch_size:(offset + 1) * self.batch_size]
+
+
+def batch_source(arrays: dict[str, np.ndarray], batch_size: int, seed: int):
+    """position -> {name: array[batch]} over examples along axis 0 of every array."""
+    order = BatchOrder(len(next(iter(arrays.values()))), batch_size, seed)
+
+    def batch_at(position: int) -> dict[str, np.ndarray]:
+        idx = order.indices(position)
+        return {k: v[idx] for k, v in arrays.items()}
+
+    batch_at.order = order
+    return batch_at
+
+
+# ---- drafter data: prompt + the target's own reply ----------------------------------------------
+
+def make_prompts(docs: Sequence[list[int]], num: int, min_len: int, max_len: int, seed: int
+                 ) -> list[list[int]]:
+    """`num` prompts: a random window of min_len..max_len tokens from a random document."""
+    rng = np.random.default_rng(seed)
+    pool = [d for d in docs if len(d) > min_len]
+    if not pool:
+        raise ValueError(f"no document is longer than {min_len} tokens")
+    prompts = []
+    for _ in range(num):
+        doc = pool[rng.integers(len(pool))]
+        length = int(rng.integers(min_len, min(max_len, len(doc) - 1) + 1))
+        start = int(rng.integers(0, len(doc) - length + 1))
+        prompts.append(list(doc[start:start + length]))
+    return prompts
+
+
+def reply_arrays(prompts: Sequence[list[int]], replies: Sequence[list[int]], seq_len: int,
+                 pad_id: int, min_loss_tokens: int = 2) -> dict[str, np.ndarray]:
+    """tokens [N, seq_len] int32 (prompt ++ reply, right-padded) and loss_mask [N, seq_len] bool
+    (1 on reply tokens, as DeepSpec's mask covers the assistant span). Sequences are truncated
+    to seq_len; those left with fewer than `min_loss_tokens` reply tokens are dropped."""
+    rows, masks = [], []
+    for prompt, reply in zip(prompts, replies, strict=True):
+        seq = (list(prompt) + list(reply))[:seq_len]
+        n_reply = len(seq) - len(prompt)
+        if n_reply < min_loss_tokens:
+            continue
+        row = np.full(seq_len, pad_id, np.int32)
+        row[:len(seq)] = seq
+        mask = np.zeros(seq_len, bool)
+        mask[len(prompt):len(seq)] = True
+        rows.append(row)
+        masks.append(mask)
+    if not rows:
+        raise ValueError("no sequence has enough reply tokens")
+    return {"tokens": np.stack(rows), "loss_mask": np.stack(masks)}
+
+
+def write_replies(path: str | Path, prompts: Sequence[list[int]], replies: Sequence[list[int]]) -> None:
+    with open(path, "w") as f:
+        for p, r in zip(prompts, replies, strict=True):
+            f.write(json.dumps({"prompt_ids": list(map(int, p)), "reply_ids": list(map(int, r))}) + "\n")
+
+
+def read_replies(path: str | Path) -> tuple[list[list[int]], list[list[int]]]:
+    prompts, replies = [], []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "prompt_ids" not in rec or "reply_ids" not in rec:
+            raise ValueError(f"{path}:{n}: each line needs 'prompt_ids' and 'reply_ids'")
+        prompts.append(rec["prompt_ids"])
+        replies.append(rec["reply_ids"])
+    return prompts, replies

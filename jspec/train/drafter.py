@@ -1,0 +1,346 @@
+"""Drafter training against a frozen target: DeepSpec's objective (reference/dspark.md 6.2-6.3).
+
+Per training sequence (prompt ++ the target's own reply, loss_mask on the reply):
+  target    one frozen causal forward: taps at target_layer_ids -> fused context features,
+            and the final-normed hidden, whose logits (lm_head) give p_t;
+  anchors   A positions p with loss_mask[p] and loss_mask[p+1], uniform without replacement,
+            sorted; missing ones are dummy blocks of weight 0;
+  blocks    [x_p, mask x (block-1)] at positions p..p+block-1; every block query attends to the
+            context keys t < p and to its own block, and nothing else: exactly the inference
+            draft (context strictly before the anchor, bidirectional block);
+  logits    row k = 1..block: U_k + B(prev_k), prev = [x_p, y_1..y_{block-1}] (teacher forced),
+            y_k = x_{p+k}; the target's row is its logits at position p+k-1;
+  weights   w_k = exp(-(k-1)/gamma) x eval_mask (p+k inside the reply, cumulative product);
+  loss      ce * CE + l1 * L1 + conf * BCE, each sum(w * term) / sum(w) over the batch, where
+            L1 = sum_v |p_d - p_t| (T = 1) and BCE-with-logits of z_k against the detached
+            c*_k = clamp(1 - L1_k / 2, 0, 1).
+The DFlash ablation is the same code: markov_rank 0, no confidence head, CE only.
+The drafter's embedding and lm_head are the target's (frozen, never copied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jspec.config import Qwen3Config
+from jspec.dspark import DSparkConfig, DSparkDrafter
+from jspec.qwen3 import Qwen3, causal_attention, dense_attention
+from jspec.train import (ModuleBinder, OptimConfig, TrainState, cast_floats, commit, global_norm,
+                         make_optimizer, run_layers, sum_over_row_chunks)
+from jspec.train.target import target_forward
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterLossConfig:
+    ce: float = 0.1
+    l1: float = 0.9
+    conf: float = 1.0    # ignored when the drafter has no confidence head
+    gamma: float = 4.0   # position decay exp(-(k-1)/gamma); DeepSpec's code uses 4, not the block
+
+
+DSPARK_LOSS = DrafterLossConfig()
+DFLASH_LOSS = DrafterLossConfig(ce=1.0, l1=0.0, conf=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTrainConfig:
+    num_anchors: int = 512
+    loss: DrafterLossConfig = DSPARK_LOSS
+    compute_dtype: str = "float32"
+    target_attn_impl: str = "dense"   # the frozen target's forward ("cudnn" on GPU)
+    remat: bool = False               # recompute each draft layer in the backward pass
+    row_chunk: int = 1024             # block rows per vocabulary-sized chunk
+
+
+def default_tap_layers(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
+    """n layers evenly spaced in [1, L-3] (DFlash's rule; [1, 9, 17, 25, 33] for L = 36)."""
+    hi = max(1, num_target_layers - 3)
+    return tuple(sorted({int(round(x)) for x in np.linspace(1, hi, n)}))
+
+
+def drafter_config(target: Qwen3Config, *, draft_layers: int, mask_token_id: int,
+                   block_size: int = 7, tap_layers: Sequence[int] | None = None,
+                   markov_rank: int = 256, dflash: bool = False) -> DSparkConfig:
+    """A DSpark drafter (or, with dflash, its ablation) at the target's width, in fp32."""
+    return DSparkConfig(
+        layers=target.replace(num_layers=draft_layers, dtype="float32"), block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(tap_layers or default_tap_layers(target.num_layers)),
+        markov_rank=0 if dflash else markov_rank, confidence_head=not dflash)
+
+
+# ---- anchors and block layout ---------------------------------------------------------------------
+
+def sample_anchors(key: Array, loss_mask_bs: Array, num_anchors: int) -> tuple[Array, Array]:
+    """anchors [B, A] (sorted positions; dummies 0 at the end) and keep [B, A]."""
+    B, S = loss_mask_bs.shape
+    if num_anchors > S - 1:
+        raise ValueError(f"num_anchors {num_anchors} exceeds the {S - 1} candidate positions")
+    cand_bp = loss_mask_bs[:, :-1] & loss_mask_bs[:, 1:]  # anchor and its first label in the reply
+    score_bp = jnp.where(cand_bp, jax.random.uniform(key, cand_bp.shape), -1.0)
+    top_score, top_pos = jax.lax.top_k(score_bp, num_anchors)  # uniform without replacement
+    keep = top_score >= 0
+    order = jnp.argsort(jnp.where(keep, top_pos, S + top_pos), axis=-1)
+    anchors = jnp.take_along_axis(top_pos, order, -1)
+    keep = jnp.take_along_axis(keep, order, -1)
+    return jnp.where(keep, anchors, 0).astype(jnp.int32), keep
+
+
+def block_layout(tokens_bs: Array, loss_mask_bs: Array, anchors_ba: Array, keep_ba: Array,
+                 dcfg: DSparkConfig, gamma: float) -> dict[str, Array]:
+    """Per block row [B, A, block]: input token and position, teacher-forced prev token, label,
+    the target row that predicts the label, eval mask and loss weight."""
+    S = tokens_bs.shape[1]
+    k = jnp.arange(dcfg.block_size)
+    pos_bak = anchors_ba[..., None] + k                   # input positions p..p+block-1
+    take = lambda x, idx: jnp.take_along_axis(x, jnp.minimum(idx, S - 1).reshape(x.shape[0], -1),
+                                              axis=1).reshape(idx.shape)
+    anchor_tok = take(tokens_bs, pos_bak[..., :1])
+    block_tokens = jnp.where((k == 0) & keep_ba[..., None], anchor_tok, dcfg.mask_token_id)
+    label_ok = (pos_bak + 1 < S) & take(loss_mask_bs, pos_bak + 1)
+    eval_mask = (jnp.cumprod(label_ok, axis=-1) > 0) & keep_ba[..., None]
+    weights = jnp.exp(-k / gamma).astype(jnp.float32) * eval_mask
+    return {"block_tokens": block_tokens.astype(jnp.int32), "positions": pos_bak.astype(jnp.int32),
+            "prev": take(tokens_bs, pos_bak), "labels": take(tokens_bs, pos_bak + 1),
+            "target_index": jnp.minimum(pos_bak, S - 1), "eval_mask": eval_mask, "weights": weights}
+
+
+def block_attention(ctx_kv: list[tuple[Array, Array]], anchors_ba: Array, block: int):
+    """Dense attention of the flattened blocks [B, A*block] over [context ; blocks]: a query of
+    the block anchored at p sees context keys t < p and its own block's keys, nothing else."""
+    B, A = anchors_ba.shape
+    S = ctx_kv[0][0].shape[1]
+    anchor_bq = jnp.repeat(anchors_ba, block, axis=1)
+    sees_ctx_bqs = jnp.arange(S)[None, None, :] < anchor_bq[:, :, None]
+    block_id = jnp.arange(A * block) // block
+    sees_block_qq = block_id[:, None] == block_id[None, :]  # every query sees its own block
+    mask = jnp.concatenate([sees_ctx_bqs, jnp.broadcast_to(sees_block_qq, (B, A * block, A * block))], -1)
+
+    def attend(layer_idx, q, k, v, cache):
+        k_all = jnp.concatenate([ctx_kv[layer_idx][0].astype(k.dtype), k], axis=1)
+        v_all = jnp.concatenate([ctx_kv[layer_idx][1].astype(v.dtype), v], axis=1)
+        return dense_attention(q, k_all, v_all, mask), cache
+
+    return attend
+
+
+# ---- the training forward -------------------------------------------------------------------------
+
+def draft_hidden(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, anchors_ba: Array,
+                 layout: dict[str, Array], *, target_attn_impl: str = "dense",
+                 remat: bool = False) -> tuple[Array, Array]:
+    """(draft final-normed hidden, target final-normed hidden at each row's target_index), both
+    [B, A, block, D]. The target is frozen: no gradient reaches it."""
+    B, S = tokens_bs.shape
+    A, blk = anchors_ba.shape[1], drafter.cfg.block_size
+    hidden_bsd, taps = target_forward(target, tokens_bs, attn_impl=target_attn_impl,
+                                      tap_layers=drafter.cfg.target_layer_ids)
+    hidden_bsd, taps = jax.lax.stop_gradient((hidden_bsd, taps))
+    positions_bs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    ctx_kv = drafter.context_kv(drafter.fuse(taps), positions_bs)
+    attention = block_attention(ctx_kv, anchors_ba, blk)
+    block_emb = jax.lax.stop_gradient(target.embed(layout["block_tokens"].reshape(B, A * blk)))
+    positions = layout["positions"].reshape(B, A * blk)
+    if remat:
+        h = drafter.norm(run_layers(drafter.layers, block_emb, positions, attention, remat=True))
+    else:  # the inference function itself
+        h, _ = drafter.block_hidden(block_emb, positions, attention, None)
+    idx = layout["target_index"].reshape(B, A * blk)
+    target_rows = jnp.take_along_axis(hidden_bsd, idx[..., None], axis=1)
+    return h.reshape(B, A, blk, -1), target_rows.reshape(B, A, blk, -1)
+
+
+def draft_logits(drafter: DSparkDrafter, head_vd: Array, hidden: Array, prev: Array) -> Array:
+    """U + B(prev) in fp32, T = 1."""
+    U = jnp.einsum("...d,vd->...v", hidden, head_vd, preferred_element_type=jnp.float32)
+    return U + drafter.markov_bias(prev, hidden)
+
+
+def training_block_logits(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array,
+                          loss_mask_bs: Array, anchors_ba: Array, keep_ba: Array
+                          ) -> tuple[Array, Array, dict]:
+    """The training forward's teacher-forced draft logits [B, A, block, V] and confidence logits
+    [B, A, block] for given anchors (whole-vocabulary tensors: for tests and small diagnostics)."""
+    layout = block_layout(tokens_bs, loss_mask_bs, anchors_ba, keep_ba, drafter.cfg, 4.0)
+    h, _ = draft_hidden(target, drafter, tokens_bs, anchors_ba, layout)
+    return (draft_logits(drafter, target.head_weight(), h, layout["prev"]),
+            drafter.confidence_logits(h, layout["prev"]), layout)
+
+
+def drafter_loss(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, loss_mask_bs: Array,
+                 key: Array, cfg: DrafterTrainConfig) -> tuple[Array, dict]:
+    anchors_ba, keep_ba = sample_anchors(key, loss_mask_bs, cfg.num_anchors)
+    layout = block_layout(tokens_bs, loss_mask_bs, anchors_ba, keep_ba, drafter.cfg, cfg.loss.gamma)
+    h_bakd, th_bakd = draft_hidden(target, drafter, tokens_bs, anchors_ba, layout,
+                                   target_attn_impl=cfg.target_attn_impl, remat=cfg.remat)
+    head_vd = jax.lax.stop_gradient(target.head_weight())
+    D = h_bakd.shape[-1]
+
+    def row_terms(r):
+        logits_cv = draft_logits(drafter, head_vd, r["h"], r["prev"])
+        logp_cv = jax.nn.log_softmax(logits_cv, axis=-1)
+        nll_c = -jnp.take_along_axis(logp_cv, r["y"][:, None], axis=-1)[:, 0]
+        p_t_cv = jax.nn.softmax(jnp.einsum("cd,vd->cv", r["th"], head_vd,
+                                           preferred_element_type=jnp.float32), axis=-1)
+        l1_c = jnp.sum(jnp.abs(jnp.exp(logp_cv) - p_t_cv), axis=-1)
+        c_star = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1_c, 0.0, 1.0))
+        bce_c = optax.sigmoid_binary_cross_entropy(drafter.confidence_logits(r["h"], r["prev"]), c_star)
+        w = r["w"]
+        sums = {"ce": jnp.sum(w * nll_c), "l1": jnp.sum(w * l1_c), "conf": jnp.sum(w * bce_c),
+                "w": jnp.sum(w)}
+        return sums, {"c_star": c_star, "hit": jnp.argmax(logits_cv, -1) == r["y"]}
+
+    rows = {"h": h_bakd.reshape(-1, D), "th": th_bakd.reshape(-1, D),
+            "prev": layout["prev"].reshape(-1), "y": layout["labels"].reshape(-1),
+            "w": layout["weights"].reshape(-1)}
+    sums, per_row = sum_over_row_chunks(row_terms, rows, cfg.row_chunk)
+    denom = jnp.maximum(sums["w"], 1e-9)
+    ce, l1, conf = sums["ce"] / denom, sums["l1"] / denom, sums["conf"] / denom
+    conf_alpha = cfg.loss.conf if drafter.cfg.confidence_head else 0.0
+    loss = cfg.loss.ce * ce + cfg.loss.l1 * l1 + conf_alpha * conf
+    metrics = {"loss": loss, "ce": ce, "l1": l1, "conf": conf,
+               **acceptance_metrics(per_row["c_star"].reshape(layout["eval_mask"].shape),
+                                    per_row["hit"].reshape(layout["eval_mask"].shape),
+                                    layout["eval_mask"], keep_ba)}
+    return loss, metrics
+
+
+def acceptance_metrics(c_star_bak: Array, hit_bak: Array, eval_mask_bak: Array, keep_ba: Array) -> dict:
+    """accept_rate: mean c* over valid rows; tau_prob = 1 + sum_k prod_{i<=k} c*_i (expected τ
+    under teacher forcing at T = 1); tau_greedy = 1 + the leading run of rows whose draft argmax
+    is the label (the greedy accepted length when the replies are the target's greedy ones)."""
+    m = eval_mask_bak.astype(jnp.float32)
+    n_blocks = jnp.maximum(jnp.sum(keep_ba), 1)
+    survive = jnp.cumprod(c_star_bak * m, axis=-1)
+    run = jnp.cumprod(hit_bak * m, axis=-1)
+    return {"accept_rate": jnp.sum(c_star_bak * m) / jnp.maximum(jnp.sum(m), 1),
+            "tau_prob": 1.0 + jnp.sum(survive) / n_blocks,
+            "tau_greedy": 1.0 + jnp.sum(run) / n_blocks}
+
+
+# ---- the trainer ---------------------------------------------------------------------------------
+
+def _loss(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key):
+    target_binder, binder = binders
+    target = target_binder.bind(target_params)
+    drafter = binder.bind(cast_floats(params, cfg.compute_dtype))
+    return drafter_loss(target, drafter, tokens_bs, loss_mask_bs, key, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _train_step(binders, optim_cfg, cfg, params, opt_state, target_params, tokens_bs, loss_mask_bs, key):
+    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binders, cfg, params, target_params,
+                                                             tokens_bs, loss_mask_bs, key)
+    updates, opt_state = make_optimizer(optim_cfg).update(grads, opt_state, params)
+    metrics["grad_norm"] = global_norm(grads)
+    return jax.tree.map(jnp.add, params, updates), opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _eval_step(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key):
+    return _loss(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key)[1]
+
+
+class DrafterTrainer:
+    """Trains `drafter` (its arrays, in fp32, become the masters) against the frozen `target`.
+    `train_step(batch)` with batch {"tokens": [B, S] int32, "loss_mask": [B, S] bool}. Steps
+    are jitted once per (shapes, configs) and shared by trainers of the same shapes."""
+
+    def __init__(self, target: Qwen3, drafter: DSparkDrafter, optim: OptimConfig,
+                 cfg: DrafterTrainConfig = DrafterTrainConfig(), seed: int = 0):
+        drafter.cfg.check_fits(target.cfg)
+        self.cfg, self.optim_cfg, self.draft_cfg = cfg, optim, drafter.cfg
+        self.binders = (ModuleBinder(target), ModuleBinder(drafter))
+        self.target_params = commit(cast_floats(ModuleBinder.params(target), cfg.compute_dtype))  # frozen
+        params = commit(cast_floats(ModuleBinder.params(drafter), jnp.float32))
+        self.state = TrainState(params=params, opt_state=commit(make_optimizer(optim).init(params)), step=0,
+                                data_position=0, rng=commit(jax.random.PRNGKey(seed)))
+
+    def train_step(self, batch: dict) -> dict:
+        s = self.state
+        key = jax.random.fold_in(s.rng, s.step)
+        s.params, s.opt_state, metrics = _train_step(
+            self.binders, self.optim_cfg, self.cfg, s.params, s.opt_state, self.target_params,
+            jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"]), key)
+        s.step += 1
+        s.data_position += 1
+        return metrics
+
+    def evaluate(self, arrays: dict[str, np.ndarray], batch_size: int, seed: int = 1234) -> dict:
+        """Mean metrics over the full batches of held-out reply sequences, anchors drawn from
+        fixed keys (the same anchors for every evaluation of the same data)."""
+        n = (len(arrays["tokens"]) // batch_size) * batch_size
+        if n == 0:
+            raise ValueError(f"{len(arrays['tokens'])} sequences cannot fill a batch of {batch_size}")
+        out = []
+        for b, i in enumerate(range(0, n, batch_size)):
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), b)
+            out.append(jax.device_get(_eval_step(
+                self.binders, self.cfg, self.state.params, self.target_params, jnp.asarray(arrays["tokens"][i:i + batch_size]),
+                jnp.asarray(arrays["loss_mask"][i:i + batch_size]), key)))
+        return {k: float(np.mean([o[k] for o in out])) for k in out[0]}
+
+    def drafter(self, dtype: str | None = None) -> DSparkDrafter:
+        params = self.state.params if dtype is None else cast_floats(self.state.params, dtype)
+        return self.binders[1].bind(jax.tree.map(jnp.array, params))  # a copy: steps donate the masters
+
+
+# ---- data: the target's own replies ---------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _next_tokens(graphdef, temperature, state, tokens_bt, index_b, key):
+    model = nnx.merge(graphdef, state)
+    positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+    hidden, _, _ = model(tokens_bt, positions, attention=causal_attention())
+    logits_bv = model.logits(jnp.take_along_axis(hidden, index_b[:, None, None], axis=1)[:, 0])
+    if temperature <= 0:
+        return jnp.argmax(logits_bv, -1).astype(jnp.int32)
+    return jax.random.categorical(key, logits_bv / temperature, axis=-1).astype(jnp.int32)
+
+
+def sample_replies(model: Qwen3, prompts: Sequence[list[int]], max_new_tokens: int, *,
+                   temperature: float = 1.0, seed: int = 0, eos_ids: Sequence[int] = (),
+                   batch_size: int = 8, progress: bool = False) -> list[list[int]]:
+    """Replies of `model` (EOS included when reached) by a plain loop without a KV cache: one
+    causal forward over a fixed-length buffer per token (causality hides the right padding, so
+    one compiled program serves every step). temperature 0 is greedy."""
+    graphdef, state = nnx.split(model)
+    length = -(-(max(map(len, prompts)) + max_new_tokens) // 64) * 64
+    eos = set(int(e) for e in eos_ids)
+    starts = range(0, len(prompts), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+        starts = tqdm(starts, desc="replies", unit="batch")
+    replies: list[list[int]] = []
+    for start in starts:
+        group = list(prompts[start:start + batch_size])
+        n_real = len(group)
+        group += [group[0]] * (batch_size - n_real)  # one compiled shape
+        lens = np.array([len(p) for p in group])
+        tokens = np.zeros((batch_size, length), np.int32)
+        for b, p in enumerate(group):
+            tokens[b, :len(p)] = p
+        out = [[] for _ in range(batch_size)]
+        done = np.zeros(batch_size, bool)
+        base = jax.random.fold_in(jax.random.PRNGKey(seed), start)
+        for t in range(max_new_tokens):
+            new = np.asarray(_next_tokens(graphdef, float(temperature), state, jnp.asarray(tokens),
+                                          jnp.asarray(lens + t - 1), jax.random.fold_in(base, t)))
+            for b in np.flatnonzero(~done):
+                tokens[b, lens[b] + t] = new[b]
+                out[b].append(int(new[b]))
+                done[b] = int(new[b]) in eos
+            if done[:n_real].all():
+                break
+        replies.extend(out[:n_real])
+    return replies

@@ -1,0 +1,380 @@
+"""Training (jspec.train) at toy size on CPU: the target learns and memorises, the drafter's
+training forward is the inference draft, its loss is DeepSpec's, it learns and beats an
+untrained drafter, resuming equals not stopping, and exports load back unchanged."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jspec.config import Qwen3Config
+from jspec.dspark import init_random_drafter
+from jspec.qwen3 import dense_attention, forward_logits, init_random
+from jspec.train import OptimConfig, TrainState
+from jspec.train.checkpointing import (CheckpointManager, LossLog, export_drafter, export_target,
+                                       fit, resume)
+from jspec.train.data import (BatchOrder, batch_source, corpus_manifest, gather_corpus, make_prompts,
+                              pack_documents, read_replies, reply_arrays, split_documents,
+                              write_replies)
+from jspec.train.drafter import (DFLASH_LOSS, DrafterTrainConfig, DrafterTrainer, drafter_config,
+                                 sample_anchors, sample_replies, training_block_logits)
+from jspec.train.target import TargetTrainConfig, TargetTrainer
+
+V, SEP, MASK = 64, 1, 63
+CFG = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
+                  num_kv_heads=1, head_dim=16, max_position_embeddings=512, dtype="float32")
+DCFG = drafter_config(CFG, draft_layers=1, mask_token_id=MASK, block_size=4, tap_layers=(0, 1),
+                      markov_rank=8)
+DFLASH_CFG = drafter_config(CFG, draft_layers=1, mask_token_id=MASK, block_size=4, tap_layers=(0, 1),
+                            dflash=True)
+SEQ, BATCH, TARGET_STEPS, REPLY_BATCH = 32, 16, 150, 40
+TCFG = TargetTrainConfig(remat=True, loss_chunk=100)  # 512 rows: 6 chunks, the last padded
+D_TCFG = DrafterTrainConfig(num_anchors=8, row_chunk=96, remat=True)  # 256 rows: 3 chunks, padded
+
+
+def progression(start, stride, n):
+    """The toy language: arithmetic progressions over ids 2..49 (mod 48)."""
+    return [2 + (start - 2 + j * stride) % 48 for j in range(n)]
+
+
+def toy_docs(n, seed):
+    rng = np.random.default_rng(seed)
+    return [progression(int(rng.integers(2, 50)), int(rng.integers(1, 4)), int(rng.integers(10, 40)))
+            for _ in range(n)]
+
+
+def same_tree(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+# ---- data -----------------------------------------------------------------------------------------
+
+def test_pack_split_and_batch_order(tmp_path):
+    docs = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    rows = pack_documents(docs, 4, SEP)
+    assert rows.tolist() == [[5, 6, 7, 1], [8, 9, 1, 10], [11, 12, 13, 1]]
+    train, held = split_documents(toy_docs(50, 0), 0.2, seed=3)
+    assert len(held) == 10 and len(train) == 40
+    assert (train, held) == split_documents(toy_docs(50, 0), 0.2, seed=3)  # deterministic
+    assert not {tuple(d) for d in train} & {tuple(d) for d in held}
+    order = BatchOrder(10, 3, seed=1)
+    epoch0 = np.concatenate([order.indices(i) for i in range(3)])
+    assert len(set(epoch0.tolist())) == 9  # an epoch is a permutation, the tail dropped
+    assert not np.array_equal(order.indices(0), order.indices(3))  # a new order each epoch
+    assert np.array_equal(order.indices(4), BatchOrder(10, 3, seed=1).indices(4))  # position is the state
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    (tmp_path / "c.txt").write_text("no")
+    files = gather_corpus(tmp_path)
+    man = corpus_manifest(tmp_path, files)
+    assert [f["path"] for f in man["files"]] == ["b.py", "pkg/a.py"]
+    assert man["file_count"] == 2 and man["total_bytes"] == 12 and len(man["sha256"]) == 64
+
+    arrays = reply_arrays([[5, 6], [7]], [[8, 9, 10], [11]], seq_len=6, pad_id=0)
+    assert arrays["tokens"].tolist() == [[5, 6, 8, 9, 10, 0]]  # the 1-token reply is dropped
+    assert arrays["loss_mask"].tolist() == [[False, False, True, True, True, False]]
+    write_replies(tmp_path / "r.jsonl", [[1, 2]], [[3]])
+    assert read_replies(tmp_path / "r.jsonl") == ([[1, 2]], [[3]])
+
+
+# ---- target pre-training ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def toy_data():
+    train_docs, held_docs = split_documents(toy_docs(240, 0), 0.1, seed=0)
+    return train_docs, pack_documents(train_docs, SEQ, SEP), pack_documents(held_docs, SEQ, SEP)
+
+
+@pytest.fixture(scope="module")
+def trained_target(toy_data):
+    _, rows, held = toy_data
+    trainer = TargetTrainer(init_random(CFG, seed=0), OptimConfig(TARGET_STEPS, lr=3e-3, weight_decay=0.01), TCFG)
+    before = trainer.eval_loss(held, BATCH)
+    records = fit(trainer, batch_source({"tokens": rows}, BATCH, seed=0), TARGET_STEPS,
+                  progress=False, log_every=25)
+    return trainer, records, before, trainer.eval_loss(held, BATCH)
+
+
+def test_target_loss_decreases_and_memorises(trained_target, toy_data):
+    trainer, records, before, after = trained_target
+    assert records[0]["loss"] > 3.9 and records[-1]["loss"] < 1.0
+    assert after["loss"] < 1.0 < 3.9 < before["loss"] and after["accuracy"] > 0.8
+    model = trainer.model()
+    # The held-out loss (rematerialised layers, padded vocabulary chunks) is the plain CE.
+    _, _, held = toy_data
+    forward = jitted(target_logits, model)
+    logits = np.concatenate([np.asarray(forward(jnp.asarray(held[i:i + 8])), np.float64) for i in (0, 8)])
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp[:, :-1], held[:16, 1:, None], -1)
+    np.testing.assert_allclose(after["loss"], nll.mean(), rtol=1e-5)
+
+    prompts = [progression(5, 2, 4), progression(40, 3, 5), progression(11, 1, 3)]
+    replies = sample_replies(model, prompts, 10, temperature=0.0, batch_size=REPLY_BATCH)
+    for prompt, reply in zip(prompts, replies):
+        stride = prompt[1] - prompt[0]
+        assert reply == progression(prompt[0], stride, len(prompt) + 10)[len(prompt):]
+
+
+# ---- drafter: the training forward is the inference draft -----------------------------------------
+
+def inference_block_logits(target, drafter, context_bs, anchor_b, prev_bk):
+    """The inference draft path of tests/test_dspark.py, for B lanes of one context length s:
+    context K/V of tokens < s ++ the block's K/V, no mask; U + B(prev) and confidence logits."""
+    dcfg = drafter.cfg
+    B, s = context_bs.shape
+    _, taps = forward_logits(target, context_bs, tap_layers=dcfg.target_layer_ids)
+    ctx_kv = drafter.context_kv(drafter.fuse(taps), jnp.broadcast_to(jnp.arange(s), (B, s)))
+    block = jnp.concatenate([anchor_b[:, None], jnp.full((B, dcfg.block_size - 1), dcfg.mask_token_id)], 1)
+
+    def attend(i, q, k, v, cache):
+        k_all, v_all = jnp.concatenate([ctx_kv[i][0], k], 1), jnp.concatenate([ctx_kv[i][1], v], 1)
+        return dense_attention(q, k_all, v_all, jnp.ones((B, q.shape[1], k_all.shape[1]), bool)), cache
+
+    positions = jnp.broadcast_to(s + jnp.arange(dcfg.block_size), (B, dcfg.block_size))
+    hidden, _ = drafter.block_hidden(target.embed(block), positions, attend, None)
+    return (target.logits(hidden) + drafter.markov_bias(prev_bk, hidden),
+            drafter.confidence_logits(hidden, prev_bk))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _call(fn, graphs, states, *args):
+    return fn(*(nnx.merge(g, st) for g, st in zip(graphs, states)), *args)
+
+
+def jitted(fn, *modules):
+    """fn(*modules, *args), compiled once per (fn, module graphs, shapes) for the whole file."""
+    graphs, states = zip(*(nnx.split(m) for m in modules))
+    return lambda *args: _call(fn, graphs, states, *args)
+
+
+def target_logits(model, tokens):
+    return forward_logits(model, tokens)[0]
+
+
+@pytest.fixture(scope="module")
+def random_pair():
+    """Random target and drafter with weights wider than the init, so that every mistake in
+    masks, positions or context shows in the logits."""
+    target, drafter = init_random(CFG, seed=1), init_random_drafter(DCFG, seed=2)
+    for m in (target, drafter):
+        nnx.update(m, jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, nnx.state(m)))
+    return (target, drafter, jitted(training_block_logits, target, drafter),
+            jitted(inference_block_logits, target, drafter))
+
+
+def random_replies(seed, reply_start):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(2, 60, (8, SEQ)).astype(np.int32)
+    loss_mask = np.zeros((8, SEQ), bool)
+    for b, start in enumerate(reply_start):
+        loss_mask[b, start:] = True
+    return tokens, loss_mask
+
+
+def test_training_block_logits_equal_inference_draft(random_pair):
+    target, drafter, block_logits, inference_logits = random_pair
+    blk = DCFG.block_size
+    tokens, loss_mask = random_replies(0, [6, 3, 9, 12, 2, 20, 5, 7])
+    loss_mask[1, 15:] = False  # a reply that ends early: blocks past it weigh 0 but stay exact
+    anchors = np.tile(np.arange(8, dtype=np.int32) * 3 + 6, (8, 1))  # 6, 9, ..., 27
+    anchors[0] = [6, 9, 10, 13, 17, 25, 28, 29]  # overlapping blocks; the last two overrun S
+    anchors[1] = [3, 11, 13, 0, 0, 0, 0, 0]
+    anchors[2, 7] = 29
+    keep = np.ones((8, 8), bool)
+    keep[1, 3:] = False  # dummy blocks
+    logits, conf, layout = block_logits(jnp.asarray(tokens), jnp.asarray(loss_mask), jnp.asarray(anchors),
+                                        jnp.asarray(keep))
+    assert np.isfinite(np.asarray(logits)).all() and np.isfinite(np.asarray(conf)).all()
+    # The inference path, one context length at a time: (row, block) pairs anchored at p.
+    for p, pairs in ((13, [(0, 3), (1, 2)]), (29, [(0, 7), (2, 7)])):
+        rows = [b for b, _ in pairs]
+        prev = [[int(tokens[b, min(p + k, SEQ - 1)]) for k in range(blk)] for b in rows]  # [x_p, y_1..]
+        ref, ref_conf = inference_logits(jnp.asarray(tokens[rows, :p]), jnp.asarray(tokens[rows, p]),
+                                         jnp.asarray(prev))
+        for i, (b, a) in enumerate(pairs):
+            assert anchors[b, a] == p
+            scale = float(jnp.abs(ref[i]).max())
+            np.testing.assert_allclose(np.asarray(logits[b, a]), np.asarray(ref[i]), atol=2e-5 * scale)
+            np.testing.assert_allclose(np.asarray(conf[b, a]), np.asarray(ref_conf[i]), rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(logits[0, 2] - logits[0, 3])).max() > 1.0  # neighbouring anchors differ
+    w = np.asarray(layout["weights"])
+    np.testing.assert_allclose(w[0, 0], np.exp(-np.arange(blk) / 4.0), rtol=1e-6)
+    assert w[0, 7].tolist() == [1.0, np.float32(np.exp(-0.25)), 0.0, 0.0]  # 29 + 3 = S: past the end
+    assert w[1, 3:].sum() == 0 and w[1, 2].tolist() == [1.0, 0.0, 0.0, 0.0]  # the reply ends at 14
+    np.testing.assert_allclose(w[1, 1], [1.0, np.exp(-0.25), np.exp(-0.5), 0.0], rtol=1e-6)
+
+
+def test_drafter_loss_is_deepspec_objective(random_pair):
+    """The trainer's loss (anchors sampled in the step, rematerialised layers, uneven vocabulary
+    chunks) equals a NumPy transcription of reference 6.2-6.3 on the full logits."""
+    target, drafter, block_logits, _ = random_pair
+    tokens, loss_mask = random_replies(1, [5, 8, 3, 12, 20, 9, 4, 16])
+    loss_mask[0, 20:] = False
+    trainer = DrafterTrainer(target, drafter, OptimConfig(10), D_TCFG)
+    metrics = trainer.evaluate({"tokens": tokens, "loss_mask": loss_mask}, 8, seed=7)
+
+    key = jax.random.fold_in(jax.random.PRNGKey(7), 0)  # evaluate's key for its first batch
+    anchors, keep = sample_anchors(key, jnp.asarray(loss_mask), D_TCFG.num_anchors)
+    anchors, keep = np.asarray(anchors), np.asarray(keep)
+    rows = np.arange(8)[:, None]
+    assert keep.all() and loss_mask[rows, anchors].all() and loss_mask[rows, anchors + 1].all()
+    assert (np.diff(anchors, axis=1) > 0).all()  # sorted, without replacement
+    logits, conf, layout = block_logits(jnp.asarray(tokens), jnp.asarray(loss_mask), jnp.asarray(anchors),
+                                        jnp.asarray(keep))
+    logits_t = jitted(target_logits, target)(jnp.asarray(tokens))
+    f64 = lambda x: np.asarray(x, np.float64)
+    ld, z, w = f64(logits), f64(conf), f64(layout["weights"])
+    lt = f64(logits_t)[np.arange(8)[:, None, None], np.asarray(layout["target_index"])]
+    logp = ld - ld.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    pt = np.exp(lt - lt.max(-1, keepdims=True))
+    pt /= pt.sum(-1, keepdims=True)
+    ce = -np.take_along_axis(logp, np.asarray(layout["labels"])[..., None], -1)[..., 0]
+    l1 = np.abs(np.exp(logp) - pt).sum(-1)
+    c_star = np.clip(1 - 0.5 * l1, 0, 1)
+    bce = np.maximum(z, 0) - z * c_star + np.log1p(np.exp(-np.abs(z)))
+    expect = {"ce": (w * ce).sum() / w.sum(), "l1": (w * l1).sum() / w.sum(), "conf": (w * bce).sum() / w.sum()}
+    expect["loss"] = 0.1 * expect["ce"] + 0.9 * expect["l1"] + expect["conf"]
+    for k, v in expect.items():
+        np.testing.assert_allclose(metrics[k], v, rtol=3e-5, err_msg=k)
+    m = np.asarray(layout["eval_mask"], np.float64)
+    np.testing.assert_allclose(metrics["tau_prob"], 1 + np.cumprod(c_star * m, -1).sum() / 64, rtol=3e-5)
+
+
+# ---- drafter training ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reply_data(trained_target, toy_data):
+    """Prompts from the corpus and the trained target's own greedy replies (greedy, so that the
+    greedy accepted length against them is the acceptance against the target's greedy decode)."""
+    trainer, *_ = trained_target
+    model = trainer.model()
+    train_docs, _, _ = toy_data
+    prompts = make_prompts(train_docs, 200, 3, 10, seed=0)
+    replies = sample_replies(model, prompts, SEQ - 10, temperature=0.0, batch_size=REPLY_BATCH)
+    arrays = reply_arrays(prompts, replies, SEQ, pad_id=0)
+    held = {k: v[:16] for k, v in arrays.items()}
+    train = {k: v[16:] for k, v in arrays.items()}
+    return model, train, held
+
+
+DRAFT_STEPS = 120
+
+
+def _drafter_trainer(model, dcfg, loss=None, seed=0):
+    cfg = D_TCFG if loss is None else dataclasses.replace(D_TCFG, loss=loss)
+    return DrafterTrainer(model, init_random_drafter(dcfg, seed=5), OptimConfig(DRAFT_STEPS, lr=3e-3), cfg, seed)
+
+
+def test_drafter_learns_and_beats_untrained(reply_data):
+    model, train, held = reply_data
+    trainer = _drafter_trainer(model, DCFG)
+    untrained = trainer.evaluate(held, 8)
+    records = fit(trainer, batch_source(train, 8, seed=0), DRAFT_STEPS, progress=False, log_every=20)
+    trained = trainer.evaluate(held, 8)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5  # (the confidence BCE has a floor: H(c*))
+    assert records[-1]["ce"] < 0.5 * records[0]["ce"] and trained["ce"] < 0.6 * untrained["ce"]
+    # Held out: the greedy accepted length against the target's greedy replies, and the
+    # expected τ at T = 1 under teacher forcing (measured: 1.44 -> 2.78 and 1.48 -> 2.10).
+    assert trained["l1"] < 0.8 * untrained["l1"]
+    assert trained["tau_greedy"] > untrained["tau_greedy"] + 1.0 and trained["tau_greedy"] > 2.2
+    assert trained["tau_prob"] > untrained["tau_prob"] + 0.3
+
+
+def test_dflash_ablation_trains_with_ce_only(reply_data):
+    model, train, _ = reply_data
+    trainer = _drafter_trainer(model, DFLASH_CFG, loss=DFLASH_LOSS)
+    drafter = trainer.drafter()
+    assert not hasattr(drafter, "markov_w1") and not hasattr(drafter, "confidence_proj")
+    records = fit(trainer, batch_source(train, 8, seed=0), DRAFT_STEPS, progress=False, log_every=20)
+    assert all(r["loss"] == pytest.approx(r["ce"]) for r in records)  # CE only
+    assert records[-1]["loss"] < 0.5 * records[0]["loss"]
+    assert records[-1]["tau_greedy"] > records[0]["tau_greedy"] + 1.0
+
+
+# ---- resume ---------------------------------------------------------------------------------------
+
+def _run(make_trainer, batch_at, directory, stop_after=None, resume_from=False):
+    trainer = make_trainer()
+    manager = CheckpointManager(directory / "ckpt", keep=2)
+    start = resume(trainer, manager) if resume_from else None
+    log = LossLog(directory / "log.jsonl", resume_step=trainer.state.step if resume_from else None)
+    fit(trainer, batch_at, 12, manager=manager, ckpt_every=4, log=log, progress=False,
+        stop_after=stop_after)
+    log.close()
+    return trainer, [json.loads(line) for line in (directory / "log.jsonl").read_text().splitlines()], start
+
+
+@pytest.mark.parametrize("kind", ["target", "drafter"])
+def test_resume_after_interrupt_equals_uninterrupted(kind, toy_data, reply_data, tmp_path):
+    if kind == "target":
+        _, rows, _ = toy_data
+        make = lambda: TargetTrainer(init_random(CFG, seed=0), OptimConfig(TARGET_STEPS, lr=3e-3, weight_decay=0.01), TCFG)
+        batch_at = batch_source({"tokens": rows}, BATCH, seed=0)
+    else:
+        model, train, _ = reply_data
+        make = lambda: _drafter_trainer(model, DCFG)
+        batch_at = batch_source(train, 8, seed=0)
+    straight, log_a, _ = _run(make, batch_at, tmp_path / "a")
+    _, _, _ = _run(make, batch_at, tmp_path / "b", stop_after=10)  # killed after step 10
+    assert CheckpointManager(tmp_path / "b" / "ckpt").steps() == [4, 8]  # keep=2; step 8 is newest
+    resumed, log_b, extra = _run(make, batch_at, tmp_path / "b", resume_from=True)
+    assert extra == {}
+    assert [r["step"] for r in log_b] == list(range(1, 13))  # steps 9, 10 were redone, not duplicated
+    assert log_b == log_a  # every loss, lr and grad norm, bit for bit
+    assert resumed.state.step == 12 and resumed.state.data_position == 12
+    assert same_tree(resumed.state.params, straight.state.params)
+    assert same_tree(resumed.state.opt_state, straight.state.opt_state)
+
+
+def test_checkpoint_is_atomic_and_checked(tmp_path):
+    state = TrainState(params={"w": jnp.ones((2, 3))}, opt_state=(jnp.zeros(()),), step=5,
+                       data_position=7, rng=jax.random.PRNGKey(1))
+    manager = CheckpointManager(tmp_path)
+    (tmp_path / ".tmp-step_00000009-1").mkdir(parents=True)  # a crash mid-write leaves only a temp dir
+    manager.save(state, extra={"note": 1})
+    assert manager.steps() == [5]
+    restored, extra = manager.restore(state)
+    assert restored.step == 5 and restored.data_position == 7 and extra == {"note": 1}
+    assert same_tree(restored.params, state.params) and np.array_equal(restored.rng, state.rng)
+    wrong = TrainState(params={"w": jnp.ones((3, 3))}, opt_state=state.opt_state, step=0,
+                       data_position=0, rng=state.rng)
+    with pytest.raises(ValueError, match="expected"):
+        manager.restore(wrong)
+
+
+# ---- export -------------------------------------------------------------------------------------
+
+def test_export_round_trips(trained_target, random_pair, tmp_path):
+    from jspec.loading import load_drafter, load_model
+    trainer, *_ = trained_target
+    model = trainer.model()
+    export_target(model, tmp_path / "target32", dtype="float32", eos_ids=[SEP])
+    cfg, loaded = load_model(tmp_path / "target32")
+    assert cfg == CFG and same_tree(nnx.state(loaded), nnx.state(model))
+    assert json.loads((tmp_path / "target32" / "generation_config.json").read_text())["eos_token_id"] == [SEP]
+
+    export_target(model, tmp_path / "target16", dtype="bfloat16")
+    cfg16, loaded16 = load_model(tmp_path / "target16")
+    assert cfg16.dtype == "bfloat16"
+    assert same_tree(nnx.state(loaded16), jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model)))
+
+    tied_cfg = CFG.replace(tie_word_embeddings=True)
+    tied = init_random(tied_cfg, seed=3)
+    export_target(tied, tmp_path / "tied", dtype="float32")
+    assert same_tree(nnx.state(load_model(tmp_path / "tied")[1]), nnx.state(tied))
+
+    _, drafter, *_ = random_pair
+    for dcfg, d in ((DCFG, drafter), (DFLASH_CFG, init_random_drafter(DFLASH_CFG, seed=4))):
+        export_drafter(d, loaded, tmp_path / "drafter", dtype="float32")  # with the shared copies
+        dcfg_loaded, d_loaded = load_drafter(tmp_path / "drafter", cfg, loaded)
+        assert dcfg_loaded == dcfg and same_tree(nnx.state(d_loaded), nnx.state(d))
