@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 from typing import Callable, Sequence
 
@@ -29,6 +30,13 @@ from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_cach
 from jspec.qwen3 import Qwen3
 from jspec.sampling import SamplingArrays
 from jspec.steps import DecodeState, StockPrograms
+
+
+@functools.lru_cache(maxsize=16)
+def shared_programs(kind, *static):
+    """One set of jitted programs per (model structure, cache geometry, eos ids, ...): engines
+    with the same static configuration share compiled executables instead of recompiling."""
+    return kind(*static)
 
 
 @dataclasses.dataclass
@@ -123,8 +131,8 @@ class Engine:
         if drafter is None:
             self.params = target_params
             self.caches = init_kv_caches(self.cache_shape)
-            self.programs = StockPrograms(graphdef, engine_cfg.page_size, self.eos_ids,
-                                          engine_cfg.attn_impl)
+            self.programs = shared_programs(StockPrograms, graphdef, engine_cfg.page_size,
+                                            self.eos_ids, engine_cfg.attn_impl)
         else:
             from jspec.spec_steps import SpecPrograms
             draft_cfg.check_fits(cfg)
@@ -134,8 +142,9 @@ class Engine:
             self.draft_cache_shape = dataclasses.replace(
                 self.cache_shape, num_layers=draft_cfg.layers.num_layers)
             self.caches = (init_kv_caches(self.cache_shape), init_kv_caches(self.draft_cache_shape))
-            self.programs = SpecPrograms(graphdef, draft_graphdef, draft_cfg, engine_cfg.page_size,
-                                         self.eos_ids, engine_cfg.attn_impl, self.num_draft)
+            self.programs = shared_programs(SpecPrograms, graphdef, draft_graphdef, draft_cfg,
+                                            engine_cfg.page_size, self.eos_ids,
+                                            engine_cfg.attn_impl, self.num_draft)
         self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
         self._admissions = itertools.count(1)
         self.stats = collections.Counter()
