@@ -8,14 +8,17 @@ distilled against S's own sampled replies; exports all three.
 OUT/ after a run:
   manifest.json                 corpus: file count, bytes, sha256 per file and overall
   tokenizer/                    tokenizer.json (+ config) used throughout
+  data/prompts{,_eval}.jsonl    training / held-out prompts ({"prompt_ids": [...]})
   data/replies.jsonl            prompts + S's sampled replies (drafter training data)
   data/replies_eval.jsonl       held-out prompts + S's greedy replies (drafter evaluation)
   ckpt/{target,dspark,dflash}/  resumable checkpoints (rerunning the command resumes)
   logs/{target,dspark,dflash}.jsonl   loss logs
   target/   Hugging Face Qwen3 directory     dspark/, dflash/   DeepSpec-layout drafters
   summary.json                  held-out losses and drafter metrics
-Stages whose export exists are skipped; `--replies FILE` replaces reply sampling (JSONL lines
-{"prompt_ids": [...], "reply_ids": [...]}).
+Stages whose export exists are skipped. Replies come from a plain sampling loop without a KV
+cache (fine at toy size); at full size run with --only-target, answer data/prompts*.jsonl with
+the engine, and rerun with --replies FILE --eval-replies FILE (JSONL lines
+{"prompt_ids": [...], "reply_ids": [...]}; eval replies greedy).
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ def parse_args(argv=None):
     g.add_argument("--eval-rows", type=int, default=64)
     g = ap.add_argument_group("replies")
     g.add_argument("--replies", help="JSONL of prompt_ids / reply_ids instead of sampling")
+    g.add_argument("--eval-replies", help="the same for the held-out (greedy) evaluation replies")
+    g.add_argument("--only-target", action="store_true",
+                   help="stop after pre-training S and writing data/prompts{,_eval}.jsonl (to answer "
+                        "with the engine, then rerun with --replies / --eval-replies)")
     g.add_argument("--prompts", type=int, default=2048)
     g.add_argument("--eval-prompts", type=int, default=64)
     g.add_argument("--prompt-min", type=int, default=64)
@@ -193,33 +200,48 @@ def stage_target(args, out: Path, target_cfg, docs, tok_dir, eos_ids):
     return load_model(export)[1], held_loss, train_docs, held_docs
 
 
-def stage_replies(args, out: Path, model, train_docs, held_docs, eos_ids):
-    from jspec.train.data import make_prompts, read_replies, write_replies
-    from jspec.train.drafter import sample_replies
+def stage_prompts(args, out: Path, train_docs, held_docs):
+    """Training prompts (windows of training documents) and held-out prompts (windows of
+    held-out documents, or training ones when those are too short), written once."""
+    from jspec.train.data import make_prompts
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     sets = {}
-    for name, docs, n, temperature, given in (
-            ("replies", train_docs, args.prompts, args.reply_temperature, args.replies),
-            ("replies_eval", held_docs or train_docs, args.eval_prompts, 0.0, None)):
+    for name, docs, n in (("prompts", train_docs, args.prompts), ("prompts_eval", held_docs, args.eval_prompts)):
         path = data / f"{name}.jsonl"
+        if path.is_file():
+            sets[name] = [json.loads(line)["prompt_ids"] for line in path.read_text().splitlines() if line]
+            continue
+        try:
+            prompts = make_prompts(docs, n, args.prompt_min, args.prompt_max, args.seed + len(name))
+        except ValueError:
+            prompts = make_prompts(train_docs, n, args.prompt_min, args.prompt_max, args.seed + len(name))
+        path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+        sets[name] = prompts
+    return sets["prompts"], sets["prompts_eval"]
+
+
+def stage_replies(args, out: Path, model, prompts, eos_ids):
+    from jspec.train.data import read_replies, write_replies
+    from jspec.train.drafter import sample_replies
+    sets = {}
+    for name, prompt_set, temperature, given in (
+            ("replies", prompts[0], args.reply_temperature, args.replies),
+            ("replies_eval", prompts[1], 0.0, args.eval_replies)):
+        path = out / "data" / f"{name}.jsonl"
         if given:
             sets[name] = read_replies(given)
         elif path.is_file():
             sets[name] = read_replies(path)
-        else:
-            try:
-                prompts = make_prompts(docs, n, args.prompt_min, args.prompt_max, args.seed + len(name))
-            except ValueError:  # held-out documents too short: take prompts from training ones
-                prompts = make_prompts(train_docs, n, args.prompt_min, args.prompt_max, args.seed + len(name))
+        else:  # a plain loop without a KV cache: fine at toy size, slow at 4k context
             t0 = time.time()
-            replies = sample_replies(model, prompts, args.reply_tokens, temperature=temperature,
+            replies = sample_replies(model, prompt_set, args.reply_tokens, temperature=temperature,
                                      seed=args.seed, eos_ids=eos_ids, batch_size=args.reply_batch,
                                      progress=not args.quiet)
-            write_replies(path, prompts, replies)
-            log(f"{name}: {len(prompts)} replies, {sum(map(len, replies)):,} tokens, "
+            write_replies(path, prompt_set, replies)
+            log(f"{name}: {len(prompt_set)} replies, {sum(map(len, replies)):,} tokens, "
                 f"T = {temperature}, {time.time() - t0:.0f} s")
-            sets[name] = (prompts, replies)
+            sets[name] = (prompt_set, replies)
     return sets["replies"], sets["replies_eval"]
 
 
@@ -283,7 +305,11 @@ def main(argv=None):
                              tie_word_embeddings=False, dtype="float32")
     model, held_loss, train_docs, held_docs = stage_target(args, out, target_cfg, docs, tok_dir, eos_ids)
 
-    train_pr, eval_pr = stage_replies(args, out, model, train_docs, held_docs, [args.sep_id] + eos_ids)
+    prompts = stage_prompts(args, out, train_docs, held_docs)
+    if args.only_target:
+        log(f"--only-target: S is in {out / 'target'}; prompts in {out / 'data'}")
+        return
+    train_pr, eval_pr = stage_replies(args, out, model, prompts, [args.sep_id] + eos_ids)
     train = reply_arrays(*train_pr, args.draft_seq_len, pad_id=args.sep_id)
     held = reply_arrays(*eval_pr, args.draft_seq_len, pad_id=args.sep_id)
     log(f"drafter data: {len(train['tokens'])} training sequences, {int(train['loss_mask'].sum()):,} reply tokens")
