@@ -1,0 +1,651 @@
+"""`jspec bench`: SpecScore and the lossless gate (protocol.md), one JSON record, a markdown table
+and a PNG chart.
+
+    jspec bench --model DIR --draft DIR --out DIR [--workloads solo,team,busy[,peer]]
+                [--sampling t1|greedy|qwen] [--quick]
+
+One process loads the target once and builds, per workload, a stock Engine and a speculative
+Engine over the same model object (the same weight arrays), then runs them alternately. What
+each workload adds to the gate:
+  solo   the roofline (copy bandwidth measured at the start of the process) and the fixed-text
+         fidelity check (teacher-forced through the solo engines: stock decode, candidate verify);
+  team   greedy agreement (greedy replies of both team engines);
+  busy   the device-memory check (same pool, peaks of both engines);
+  every  its sampled replies, scored at the end of the process by the target's dense forward
+         (the reference computation, independent of both engines' paged paths; the same scorer
+         for both), for the likelihood, first-choice and length checks.
+  peer   transformers + PyTorch at solo, in a subprocess run before JAX touches the device.
+
+Each workload writes OUT/parts/<workload>.json as soon as it is measured (and again once its
+replies are scored); every invocation then assembles OUT/bench.json, bench.md and bench.png from
+all parts in OUT that belong to the same run (same model, drafter, sampling, knobs, commit). So a
+run too long for one command can be split: `--workloads peer`, `--workloads solo --peer off`,
+`--workloads team`, `--workloads busy` into one --out give the same record as one invocation.
+
+Peak device memory: JAX's allocator statistics keep one process-wide peak. The stock engine is
+built and warmed first; its peak is the process peak then. The speculative engine is built next
+while stock's KV pool is still alive, so its peak is the process peak after its warm-up minus
+the bytes of stock's pool (an upper bound if the peak did not rise; `exact` says which).
+Workloads run in ascending footprint (solo, team, busy), so busy's peaks are new highs. On CPU
+JAX has no device statistics: memory is null, and the memory gate cannot pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jspec.bench import gate as G
+from jspec.bench import workloads as W
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="SpecScore and the lossless gate: stock vs speculative "
+                              "on solo / team / busy (protocol.md)")
+    p.add_argument("--model", required=True, help="target directory (Hugging Face or jspec)")
+    p.add_argument("--draft", required=True, help="DSpark / DFlash drafter directory")
+    p.add_argument("--out", required=True, help="output directory: bench.json, bench.md, "
+                   "bench.png, parts/")
+    p.add_argument("--workloads", default="solo,team,busy",
+                   help="comma list of solo, team, busy, peer (default solo,team,busy; the "
+                   "transformers peer runs with solo unless --peer off)")
+    p.add_argument("--sampling", default="t1", choices=sorted(W.SAMPLING),
+                   help="t1: temperature 1 (headline); greedy; qwen: T 0.7, top-p 0.8, top-k 20")
+    p.add_argument("--quick", action="store_true", help="a small CPU-scale run of the whole "
+                   "pipeline (the gates are underpowered then)")
+    p.add_argument("--num-draft-tokens", type=int, help="tokens drafted per step (default: the "
+                   "drafter's block size)")
+    p.add_argument("--peer", default="auto", choices=["auto", "on", "off"],
+                   help="transformers peer with solo: auto = on unless --quick")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--stock-decode-steps", type=int, default=16, help="decode steps per dispatch")
+    p.add_argument("--spec-decode-steps", type=int, default=2, help="speculative iterations per "
+                   "dispatch")
+    p.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "triton"])
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="target dtype (default: the checkpoint's)")
+    p.add_argument("--fresh", action="store_true", help="delete earlier parts in --out first")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def command_line(args) -> str:
+    """The invocation, every option explicit, so the record says exactly how to reproduce it."""
+    words = ["jspec", "bench", "--model", str(args.model), "--draft", str(args.draft), "--out",
+             str(args.out), "--workloads", args.workloads, "--sampling", args.sampling]
+    if args.quick:
+        words.append("--quick")
+    if args.num_draft_tokens is not None:
+        words += ["--num-draft-tokens", str(args.num_draft_tokens)]
+    words += ["--peer", args.peer, "--page-size", str(args.page_size), "--prefill-chunk",
+              str(args.prefill_chunk), "--stock-decode-steps", str(args.stock_decode_steps),
+              "--spec-decode-steps", str(args.spec_decode_steps), "--attn-impl", args.attn_impl]
+    if args.dtype:
+        words += ["--dtype", args.dtype]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def cmd_bench(args) -> int:
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in names if w not in (*W.WORKLOAD_ORDER, "peer")]
+    if bad or not names:
+        raise ValueError(f"--workloads: unknown {bad or 'empty'}; choose from solo, team, busy, peer")
+    for flag in ("page_size", "prefill_chunk", "stock_decode_steps", "spec_decode_steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    bench = Bench(args, names)
+    record = bench.run()
+    print(summary_text(record))
+    print(f"wrote {bench.out / 'bench.json'}, bench.md, bench.png")
+    return 0
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def git_state() -> tuple[str | None, bool | None]:
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "diff", "--quiet", "HEAD"],
+                               capture_output=True).returncode != 0
+        return commit, dirty
+    except (OSError, subprocess.CalledProcessError):
+        # A copy of the tree without .git (e.g. on a device machine): JSPEC_COMMIT names it.
+        return os.environ.get("JSPEC_COMMIT"), None
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def device_memory() -> dict | None:
+    import jax
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without statistics
+        stats = None
+    if not stats:
+        return None
+    return {"in_use": stats.get("bytes_in_use"), "peak": stats.get("peak_bytes_in_use")}
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Device-to-device bandwidth (bytes/s): read + write of a bf16 array, median of 10."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    del x
+    return 2 * (nbytes // 2) * 2 / sorted(ts)[len(ts) // 2]
+
+
+def tree_bytes(tree) -> int:
+    import jax
+    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+
+class Bench:
+    def __init__(self, args, names: list[str]):
+        from jspec.tokenizer import Tokenizer
+        self.args = args
+        self.names = names
+        self.quick = bool(args.quick)
+        self.progress = not args.no_progress
+        self.out = Path(args.out)
+        (self.out / "parts").mkdir(parents=True, exist_ok=True)
+        if args.fresh:
+            for f in (self.out / "parts").glob("*.json"):
+                f.unlink()
+        self.specs = W.QUICK_WORKLOADS if self.quick else W.WORKLOADS
+        self.gate_spec = W.QUICK_GATES if self.quick else W.GATES
+        self.sampling = W.SAMPLING[args.sampling]
+        self.command = command_line(args)
+        self.tokenizer = Tokenizer.from_dir(args.model)
+        self.prompt_sets = W.QUICK_PROMPT_SETS if self.quick else W.PROMPT_SETS
+        self.texts = W.prompt_texts(self.prompt_sets)
+        commit, dirty = git_state()
+        self.key = {"model": str(Path(args.model).resolve()), "draft": str(Path(args.draft).resolve()),
+                    "sampling": args.sampling, "quick": self.quick,
+                    "num_draft_tokens": args.num_draft_tokens, "page_size": args.page_size,
+                    "prefill_chunk": args.prefill_chunk, "attn_impl": args.attn_impl,
+                    "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
+                    "dtype": args.dtype, "commit": commit}
+        self.git = {"commit": commit, "dirty": dirty}
+        self.env = None
+
+    # -- parts ---------------------------------------------------------------------------------
+
+    def write_part(self, name: str, part: dict) -> None:
+        path = self.out / "parts" / f"{name}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(part, indent=1))
+        tmp.replace(path)
+
+    def read_parts(self) -> tuple[dict, list[str]]:
+        parts, warnings = {}, []
+        for f in sorted((self.out / "parts").glob("*.json")):
+            try:
+                p = json.loads(f.read_text())
+            except json.JSONDecodeError:
+                warnings.append(f"{f.name}: unreadable, ignored")
+                continue
+            if p.get("key") != self.key:
+                diff = sorted(k for k in set(p.get("key", {})) | set(self.key)
+                              if p.get("key", {}).get(k) != self.key.get(k))
+                warnings.append(f"{f.name}: from another run (differs in {', '.join(diff)}), ignored")
+                continue
+            parts[p["part"]] = p
+        return parts, warnings
+
+    def assemble(self) -> dict:
+        from jspec.bench.report import assemble, write_outputs
+        parts, warnings = self.read_parts()
+        env = self.env
+        if env is None:  # no JAX workload in this process (peer only): the last one measured
+            envs = [p["env"] for p in parts.values() if p.get("env")]
+            env = max(envs, key=lambda e: e.get("date") or "") if envs else self.base_env(device=False)
+        record = assemble(parts, env=env, warnings=warnings, config=self.config())
+        write_outputs(record, self.out)
+        return record
+
+    def base_env(self, device: bool) -> dict:
+        import platform
+
+        import jax
+        import jaxlib
+        env = {"gpu": None, "device": None, "device_kind": None, "devices": None,
+               "jax": jax.__version__, "jaxlib": jaxlib.__version__, **self.git,
+               "command": self.command, "date": utc_now(), "python": platform.python_version()}
+        if device:
+            d = jax.devices()[0]
+            env.update(device=d.platform, device_kind=d.device_kind, devices=jax.device_count(),
+                       gpu=None if d.platform == "cpu" else d.device_kind)
+        return env
+
+    def config(self) -> dict:
+        return {"workloads": {k: dataclasses.asdict(v) for k, v in self.specs.items()},
+                "gates": dataclasses.asdict(self.gate_spec), "sampling": {
+                    "name": self.args.sampling, **self.sampling},
+                "prompt_sets": list(self.prompt_sets), "chat_template": "qwen3, non-thinking",
+                "passes": W.PASSES, "quick": self.quick, "key": self.key}
+
+    # -- orchestration ---------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        jax_names = [w for w in W.WORKLOAD_ORDER if w in self.names]
+        peer = "peer" in self.names or ("solo" in self.names and self.args.peer == "on") or (
+            "solo" in self.names and self.args.peer == "auto" and not self.quick)
+        if peer:  # before JAX touches the device: PyTorch gets the whole GPU
+            self.run_peer()
+        elif "solo" in self.names and not (self.out / "parts" / "peer.json").exists():
+            why = "--quick" if self.quick else "--peer off"
+            self.write_part("peer", {"part": "peer", "key": self.key, "status": "skipped",
+                                     "reason": f"not run ({why})", "command": self.command})
+        if not jax_names:
+            return self.assemble()
+        self.env = self.base_env(device=True)
+        self.load()
+        plans = {name: self.plan(self.specs[name]) for name in jax_names}
+        if self.quick:
+            self.share_geometry(plans)
+        self._pair = None
+        runs = {}
+        for name in jax_names:
+            part, items = self.run_workload(plans[name])
+            runs[name] = (part, items)
+            self.write_part(name, part)
+            self.assemble()
+        self._pair = None
+        gc.collect()
+        self.score(runs)
+        return self.assemble()
+
+    def load(self) -> None:
+        import jax
+        from jspec.loading import load_drafter, load_model
+        accel = jax.devices()[0].platform != "cpu"
+        # Copy bandwidth first, before anything else sits in device memory.
+        self.bandwidth = copy_bandwidth(2 * 2 ** 30 if accel else 64 * 2 ** 20)
+        t = time.time()
+        self.cfg, self.model = load_model(self.args.model, dtype=self.args.dtype,
+                                          progress=self.progress)
+        self.dcfg, self.drafter = load_drafter(self.args.draft, self.cfg, self.model,
+                                               progress=self.progress)
+        self.load_s = time.time() - t
+        k = self.args.num_draft_tokens
+        self.num_draft = self.dcfg.block_size if k is None else k
+        if not 1 <= self.num_draft <= self.dcfg.block_size:
+            raise ValueError(f"--num-draft-tokens must be in 1..{self.dcfg.block_size}")
+        self.step_width = max(self.num_draft + 1, self.dcfg.block_size)
+
+    # -- one workload ----------------------------------------------------------------------------
+
+    def engine_configs(self, spec: W.WorkloadSpec, prompts: list[list[int]], extra_context: int = 0):
+        from jspec.engine import EngineConfig
+        a = self.args
+        window = max(a.stock_decode_steps, a.spec_decode_steps * self.step_width)
+        need = max(max(map(len, prompts)) + spec.max_new_tokens, extra_context) + 1
+        max_context = min(need, self.cfg.max_position_embeddings)
+        if max(map(len, prompts)) >= max_context:
+            raise ValueError(f"{spec.name}: a prompt of {max(map(len, prompts))} tokens does not "
+                             f"fit the model's context ({self.cfg.max_position_embeddings})")
+        num_pages = None
+        if spec.size_pool:
+            num_pages = W.busy_num_pages([len(p) for p in prompts], spec.lanes,
+                                         spec.max_new_tokens, a.page_size, window)
+        base = dict(max_lanes=spec.lanes, page_size=a.page_size, max_context=max_context,
+                    num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl)
+        return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
+                EngineConfig(decode_steps=a.spec_decode_steps, **base))
+
+    def warm(self, engine, spec, prompts, name) -> float:
+        n = min(2, len(prompts))
+        seeds = [W.request_seed("warmup", spec.name, name, i) for i in range(n)]
+        t = time.time()
+        engine.generate(W.make_requests(prompts[:n], min(spec.max_new_tokens, 32), self.sampling, seeds))
+        return time.time() - t
+
+    def plan(self, spec: W.WorkloadSpec) -> dict:
+        """Prompts, fixed texts and the two engine configurations of one workload."""
+        g = self.gate_spec
+        prompts = W.workload_prompts(spec, self.tokenizer, self.texts)
+        width = self.num_draft + 1
+        fixed_len = -(-g.fixed_tokens // width) * width
+        fixed = W.fixed_texts(self.tokenizer, self.texts, g.fixed_texts, fixed_len) \
+            if spec.name == "solo" else []
+        extra = max((len(p) + len(c) + width for p, c in fixed), default=0)
+        if spec.name == "team":
+            extra = max(len(p) for p in prompts[:g.greedy_prompts]) + g.greedy_tokens
+        ecfg_stock, ecfg_spec = self.engine_configs(spec, prompts, extra)
+        return {"spec": spec, "prompts": prompts, "fixed": fixed, "ecfg": (ecfg_stock, ecfg_spec)}
+
+    def share_geometry(self, plans: dict) -> None:
+        """--quick only: team and busy run on engines of one geometry (busy's sized pool, the
+        larger context), so the second workload reuses the first one's compiled engines."""
+        if not ("team" in plans and "busy" in plans):
+            return
+        t, b = plans["team"]["ecfg"][0], plans["busy"]["ecfg"][0]
+        if t.max_lanes != b.max_lanes:
+            return
+        ctx = max(t.max_context, b.max_context)
+        window = max(self.args.stock_decode_steps, self.args.spec_decode_steps * self.step_width)
+        need = -(-(ctx + window) // self.args.page_size) + 2
+        pages = max(b.num_pages or 0, need)
+        for name in ("team", "busy"):
+            plans[name]["ecfg"] = tuple(dataclasses.replace(e, max_context=ctx, num_pages=pages)
+                                        for e in plans[name]["ecfg"])
+
+    def run_workload(self, plan: dict) -> tuple[dict, list]:
+        import jax
+
+        from jspec.engine import Engine
+        from jspec.steps import compile_count
+        g = self.gate_spec
+        spec, prompts, fixed = plan["spec"], plan["prompts"], plan["fixed"]
+        ecfg_stock, ecfg_spec = plan["ecfg"]
+        eos = self.tokenizer.eos_ids
+        reuse = self._pair is not None and self._pair[0] == (ecfg_stock, ecfg_spec)
+
+        def committed(engine):
+            # Fresh pools come out uncommitted; the programs return committed ones, so the first
+            # prefill would compile twice. Committing them up front (same buffers, no copy)
+            # keeps warm-up to one compilation per program.
+            engine.caches = jax.device_put(engine.caches, jax.devices()[0])
+            return engine
+
+        if not reuse:
+            self._pair = None
+        gc.collect()
+        mem0 = device_memory()
+        stock = self._pair[1] if reuse else committed(Engine(self.cfg, self.model, eos, ecfg_stock))
+        warm_stock = self.warm(stock, spec, prompts, "stock")
+        mem1 = device_memory()
+        stock_pool = tree_bytes(stock.caches)
+        spec_eng = self._pair[2] if reuse else committed(Engine(
+            self.cfg, self.model, eos, ecfg_spec, drafter=self.drafter, draft_cfg=self.dcfg,
+            num_draft=self.num_draft))
+        warm_spec = self.warm(spec_eng, spec, prompts, "spec")
+        mem2 = device_memory()
+        self._pair = ((ecfg_stock, ecfg_spec), stock, spec_eng)
+        engines = {"stock": stock, "spec": spec_eng}
+
+        def counts():
+            return {n: (compile_count(e.programs.prefill), compile_count(e.programs.decode))
+                    for n, e in (("stock", stock), ("spec", spec_eng))}
+
+        before = counts()
+        t = time.time()
+        passes = W.alternate_passes(engines, prompts, spec, self.sampling, progress=self.progress)
+        timings = {"passes_s": time.time() - t}
+        recompiled = counts() != before
+        mem3 = device_memory()
+
+        peak = None  # reused engines: both pools were alive throughout, no per-engine peak
+        if mem0 and mem1 and mem2 and not reuse:
+            peak = {"stock": mem1["peak"], "spec": mem2["peak"] - stock_pool,
+                    "stock_exact": mem1["peak"] > mem0["peak"], "spec_exact": mem2["peak"] > mem1["peak"],
+                    "process_after_passes": mem3["peak"] if mem3 else None,
+                    "stock_pool": stock_pool, "spec_pools": tree_bytes(spec_eng.caches)}
+        extras = {}
+        t = time.time()
+        if spec.name == "solo":
+            extras["fidelity"] = self.fidelity(stock, spec_eng, fixed)
+            extras["roofline"] = self.roofline_inputs(passes, prompts)
+            timings["fidelity_s"] = time.time() - t
+        if spec.name == "team":
+            extras["greedy"] = self.greedy(stock, spec_eng, prompts[:g.greedy_prompts])
+            timings["greedy_s"] = time.time() - t
+        if spec.name == "busy":
+            extras["memory"] = G.memory_check(
+                peak and peak["stock"], peak and peak["spec"], workload="busy", reused_engines=reuse,
+                exact={"stock": peak and peak["stock_exact"], "spec": peak and peak["spec_exact"]},
+                note=None if peak else ("no device memory statistics on this backend (cpu)"
+                                        if mem0 is None else "engines reused across workloads "
+                                        "(--quick): no per-engine peak"))
+
+        step_tokens = [n for r in passes if r.engine == "spec" for req in r.step_tokens for n in req]
+        per_pos = [sum(t - 1 >= k for t in step_tokens) / len(step_tokens) if step_tokens else None
+                   for k in range(1, self.num_draft + 1)]
+        replies, items = [], []
+        for r in passes:
+            for i, (prompt, out) in enumerate(zip(prompts, r.outputs)):
+                replies.append({"workload": spec.name, "engine": r.engine, "pass": r.index,
+                                "prompt": i, "prompt_len": len(prompt), "n": len(out),
+                                "logp": None, "hits": None})
+                items.append((prompt, out))
+        occ = {e: [x for r in passes if r.engine == e for x in r.occupancy] for e in ("stock", "spec")}
+        part = {
+            "part": spec.name, "key": self.key, "env": self.env, "command": self.command,
+            "spec": dataclasses.asdict(spec),
+            "engine": {"max_lanes": spec.lanes, "max_context": ecfg_stock.max_context,
+                       "page_size": ecfg_stock.page_size, "num_pages": stock.allocator.num_pages,
+                       "prefill_chunk": ecfg_stock.prefill_chunk, "attn_impl": ecfg_stock.attn_impl,
+                       "decode_steps": {"stock": ecfg_stock.decode_steps, "spec": ecfg_spec.decode_steps},
+                       "num_draft_tokens": self.num_draft, "step_width": spec_eng.ecfg.step_width},
+            "prompt_tokens": {"mean": sum(map(len, prompts)) / len(prompts),
+                              "min": min(map(len, prompts)), "max": max(map(len, prompts))},
+            "passes": [{"engine": r.engine, "index": r.index, "wall_s": r.wall_s, "tokens": r.tokens,
+                        "tokens_per_s": r.tokens_per_s, "preemptions": r.preemptions,
+                        "occupancy_mean": (sum(r.occupancy) / len(r.occupancy)) if r.occupancy else None}
+                       for r in passes],
+            "verify": {"steps": len(step_tokens), "tokens": sum(step_tokens),
+                       "tau": sum(step_tokens) / len(step_tokens) if step_tokens else None,
+                       "acceptance_per_position": per_pos},
+            "pool": {"num_pages": stock.allocator.num_pages, "sized": spec.size_pool,
+                     "occupancy": {e: (sum(v) / len(v) if v else None) for e, v in occ.items()},
+                     "occupancy_min": {e: (min(v) if v else None) for e, v in occ.items()},
+                     "samples": {e: len(v) for e, v in occ.items()}},
+            "peak_memory": peak, "recompiled": recompiled, "reused_engines": reuse,
+            "warmup_s": {"stock": warm_stock, "spec": warm_spec}, "timings": timings,
+            "load_s": self.load_s, "replies": replies, "scored": False, "extras": extras,
+        }
+        return part, items
+
+    def fidelity(self, stock, spec_eng, fixed) -> dict:
+        import numpy as np
+        from tqdm.auto import tqdm
+
+        from jspec.scoring import teacher_forced_logprobs
+        diffs = []
+        for prompt, cont in tqdm(fixed, desc="fidelity (fixed texts)", leave=False,
+                                 disable=not self.progress):
+            a = teacher_forced_logprobs(stock, prompt, cont)
+            b = teacher_forced_logprobs(spec_eng, prompt, cont)
+            diffs += list(np.asarray(b, np.float64) - np.asarray(a, np.float64))
+        return G.fidelity_check(diffs, texts=len(fixed),
+                                tokens_per_text=len(fixed[0][1]) if fixed else 0,
+                                path={"candidate": f"verify, blocks of {spec_eng.num_draft + 1}",
+                                      "stock": "decode, one token per step"})
+
+    def greedy(self, stock, spec_eng, prompts) -> dict:
+        greedy = W.SAMPLING["greedy"]
+        n = self.gate_spec.greedy_tokens
+        seeds = [W.request_seed("greedy", i) for i in range(len(prompts))]
+        a = stock.generate(W.make_requests(prompts, n, greedy, seeds))
+        b = spec_eng.generate(W.make_requests(prompts, n, greedy, seeds))
+        return G.greedy_check([r.output_ids for r in a], [r.output_ids for r in b])
+
+    def roofline_inputs(self, passes, prompts) -> dict:
+        from flax import nnx
+        cfg = self.cfg
+        weights = tree_bytes(nnx.state(self.model))
+        embed = self.model.embed_tokens[...].nbytes
+        # A tied head reads the embedding every step; an untied one reads lm_head instead.
+        read = weights - (0 if cfg.tie_word_embeddings else embed)
+        import jax.numpy as jnp
+        kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+        num = den = 0
+        for r in passes:
+            if r.engine != "stock":
+                continue
+            for p, out in zip(prompts, r.outputs):
+                n = len(out)
+                num += n * len(p) + n * (n - 1) / 2
+                den += n
+        mean_ctx = num / den if den else 0.0
+        step_bytes = read + kv_token * mean_ctx
+        import jax
+        return {"copy_bandwidth_GBps": self.bandwidth / 1e9, "weight_bytes_read": int(read),
+                "embedding_bytes_excluded": int(0 if cfg.tie_word_embeddings else embed),
+                "kv_bytes_per_token": int(kv_token), "mean_context": mean_ctx,
+                "bytes_per_step": step_bytes, "hbm_bound_tokens_per_s": self.bandwidth / step_bytes,
+                "device": jax.devices()[0].platform}
+
+    # -- scoring --------------------------------------------------------------------------------
+
+    def score(self, runs: dict) -> None:
+        import jax
+        accel = jax.devices()[0].platform != "cpu"
+        scorer = Scorer(self.model, budget_bytes=(6 if accel else 0.25) * 2 ** 30,
+                        max_batch_tokens=16384 if accel else 4096, quick=self.quick)
+        if self.quick:  # one batch shape for every workload: one compilation
+            every = [it for _, items in runs.values() for it in items]
+            shape = scorer.shape(every)
+        for name, (part, items) in runs.items():
+            t = time.time()
+            scores = scorer.score(items, desc=f"scoring {name} replies", progress=self.progress,
+                                  shape=shape if self.quick else None)
+            for rep, (lp, hits) in zip(part["replies"], scores):
+                rep["logp"], rep["hits"] = lp, hits
+            part["scored"] = True
+            part["score_s"] = time.time() - t
+            part["scorer"] = "target dense forward (causal, no cache), fp32 log-softmax"
+            self.write_part(name, part)
+
+    # -- peer -----------------------------------------------------------------------------------
+
+    def run_peer(self) -> None:
+        from jspec.loading import is_jspec_dir
+        spec = self.specs["solo"]
+        base = {"part": "peer", "key": self.key, "command": self.command, "workload": "solo"}
+        if is_jspec_dir(self.args.model):
+            self.write_part("peer", {**base, "status": "skipped", "reason": "the model is a jspec "
+                                     "(Orbax) directory; the peer needs a Hugging Face checkpoint"})
+            return
+        import importlib.util
+        missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+        if missing:
+            self.write_part("peer", {**base, "status": "skipped",
+                                     "reason": f"not installed: {', '.join(missing)}"})
+            return
+        prompts = W.workload_prompts(spec, self.tokenizer, self.texts)
+        job = {"model": str(self.args.model), "prompts": prompts,
+               "max_new_tokens": spec.max_new_tokens, "sampling": self.sampling,
+               "eos_ids": list(self.tokenizer.eos_ids),
+               "seeds": [[W.request_seed(spec.name, p, "peer", i) for i in range(len(prompts))]
+                         for p in range(W.PASSES)]}
+        job_path, res_path = self.out / "peer_job.json", self.out / "peer_result.json"
+        job_path.write_text(json.dumps(job))
+        res_path.unlink(missing_ok=True)
+        log = self.out / "peer.log"
+        t = time.time()
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, "-m", "jspec.bench.peer", "--job", str(job_path),
+                                 "--out", str(res_path)], stdout=f, stderr=subprocess.STDOUT,
+                                cwd=str(REPO_ROOT), env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}).returncode
+        res = json.loads(res_path.read_text()) if res_path.exists() else {}
+        if rc != 0 or "tokens_per_s" not in res:
+            tail = log.read_text()[-600:] if log.exists() else ""
+            self.write_part("peer", {**base, "status": "failed", "reason": f"exit {rc}: {tail}", **res})
+            return
+        self.write_part("peer", {**base, "status": "ok", "reason": None, "elapsed_s": time.time() - t,
+                                 **res})
+
+
+class Scorer:
+    """Target log-likelihood and argmax of every reply token, through the target's dense causal
+    forward (no cache): the same scorer for both engines' replies. Replies are right-padded into
+    one bucket shape per call site (one compilation per workload)."""
+
+    def __init__(self, model, budget_bytes: float, max_batch_tokens: int, quick: bool):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from jspec.qwen3 import causal_attention
+        self.cfg = model.cfg
+        self.budget, self.max_tokens, self.quick = budget_bytes, max_batch_tokens, quick
+        graphdef, self.params = nnx.split(model)
+
+        def score(params, tokens_bt, start_b, len_b, num_reply: int):
+            m = nnx.merge(graphdef, params)
+            B, T = tokens_bt.shape
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            hidden, _, _ = m(tokens_bt, positions, attention=causal_attention())
+            r = jnp.arange(num_reply, dtype=jnp.int32)
+            idx = jnp.clip(start_b[:, None] - 1 + r[None], 0, T - 1)  # position predicting reply[r]
+            h = jnp.take_along_axis(hidden, idx[..., None], axis=1)
+            logits = m.logits(h)  # [B, R, V] fp32
+            target = jnp.take_along_axis(tokens_bt, jnp.clip(idx + 1, 0, T - 1), axis=1)
+            logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), target[..., None], -1)[..., 0]
+            hit = jnp.argmax(logits, -1) == target
+            mask = r[None] < len_b[:, None]
+            return jnp.where(mask, logp, 0.0).sum(-1), (hit & mask).sum(-1)
+
+        self.fn = jax.jit(score, static_argnames=("num_reply",))
+
+    def shape(self, items) -> tuple[int, int, int]:
+        """(B, T, R): sequences per batch, padded sequence length, padded reply length."""
+        q = 32 if self.quick else 128
+        T = -(-max(len(p) + len(o) for p, o in items) // q) * q
+        R = -(-max(len(o) for _, o in items) // (q // 2)) * (q // 2)
+        V = self.cfg.vocab_size
+        per_seq = max(self.cfg.num_heads * T * T * 8, R * V * 12, 1)
+        B = int(max(1, min(len(items), self.budget // per_seq, self.max_tokens // T)))
+        return B, T, R
+
+    def score(self, items, desc: str = "scoring", progress: bool = True,
+              shape: tuple[int, int, int] | None = None) -> list[tuple[float, int]]:
+        import numpy as np
+        from tqdm.auto import tqdm
+        if not items:
+            return []
+        B, T, R = shape or self.shape(items)
+        out = []
+        for s in tqdm(range(0, len(items), B), desc=desc, leave=False, disable=not progress):
+            chunk = items[s:s + B]
+            tokens = np.zeros((B, T), np.int32)
+            start = np.ones(B, np.int32)
+            length = np.zeros(B, np.int32)
+            for b, (p, o) in enumerate(chunk):
+                tokens[b, :len(p) + len(o)] = list(p) + list(o)
+                start[b], length[b] = len(p), len(o)
+            lp, hits = self.fn(self.params, tokens, start, length, num_reply=R)
+            lp, hits = np.asarray(lp, np.float64), np.asarray(hits)
+            out += [(float(lp[b]), int(hits[b])) for b in range(len(chunk))]
+        return out
+
+
+def summary_text(record: dict) -> str:
+    from jspec.bench.report import markdown
+    return markdown(record)
+
+
+if __name__ == "__main__":  # python -m jspec.bench.run ... (same as `jspec bench ...`)
+    parser = argparse.ArgumentParser(prog="jspec")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    ns = parser.parse_args(["bench", *sys.argv[1:]])
+    sys.exit(ns.func(ns))

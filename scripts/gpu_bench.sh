@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# SpecScore and the lossless gate on the GPU machine (shared/protocol.md): build the 8B graft of
+# the stand-in pair, then run `jspec bench` on it.
+#
+#   bash scripts/gpu_bench.sh [STAGE ...]
+#
+# STAGE (default: all):
+#   graft   python3 -m jspec.convert.graft --target $STANDIN_TARGET --draft $STANDIN_DRAFT
+#           --out $GRAFT (skipped when $GRAFT/target/config.json exists: the graft renames its
+#           output into place only when complete)
+#   solo    solo workload + roofline + fixed-text fidelity          (--peer off)
+#   team    team workload + greedy agreement
+#   busy    busy workload + the device-memory check
+#   peer    the transformers + PyTorch peer at solo (its own process: no JAX on the GPU)
+#   all     graft, then every stage in order
+#
+# One device command may run 10 minutes; the whole bench does not fit in one. Run it as this
+# documented sequence of commands on ONE warm machine ($GRAFT and $BENCH_DIR live in its /tmp):
+#   bash scripts/gpu_bench.sh graft solo
+#   bash scripts/gpu_bench.sh team
+#   bash scripts/gpu_bench.sh busy
+#   bash scripts/gpu_bench.sh peer
+# (Unmeasured estimates at 8B on one H200: graft 1-2 min; solo 5-6 min with load, compiles, 3+3
+# passes of 16 x 512 tokens, 32 teacher-forced texts and scoring; team and busy 3-5 min each;
+# peer 5-7 min. Every stage prints what it took; merge stages into one command once measured.)
+# Every stage writes $BENCH_DIR/parts/<stage>.json and re-assembles $BENCH_DIR/bench.{json,md,png}
+# from all parts of the same run (same model, drafter, sampling, knobs and commit); the last stage
+# leaves the complete record. Each command copies $BENCH_DIR to $OUT/bench so what was measured
+# comes back even if a later command fails. If the machine is handed back between commands,
+# start again from `graft`.
+#
+# Environment (defaults in brackets):
+#   STANDIN_TARGET [standin], STANDIN_DRAFT [standin-dspark]   the small stand-in files
+#   GRAFT [/tmp/graft]          graft output: $GRAFT/target, $GRAFT/dspark
+#   BENCH_DIR [/tmp/jspec-bench]
+#   SAMPLING [t1]               t1 | greedy | qwen
+#   BENCH_ARGS []               extra `jspec bench` options (e.g. "--attn-impl triton")
+#   JSPEC_PROMPTS_DIR           where humaneval.jsonl and mbpp.jsonl are; else the first of
+#                               ./shared/data/prompts, ../shared/data/prompts, ./out/prompts
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+. scripts/device_env.sh
+
+STANDIN_TARGET=${STANDIN_TARGET:-standin}
+STANDIN_DRAFT=${STANDIN_DRAFT:-standin-dspark}
+GRAFT=${GRAFT:-/tmp/graft}
+BENCH_DIR=${BENCH_DIR:-/tmp/jspec-bench}
+SAMPLING=${SAMPLING:-t1}
+BENCH_ARGS=${BENCH_ARGS:-}
+OUT=${OUT:-/tmp/out}
+
+if [ -z "${JSPEC_PROMPTS_DIR:-}" ]; then
+  for d in shared/data/prompts ../shared/data/prompts out/prompts; do
+    if [ -f "$d/humaneval.jsonl" ] && [ -f "$d/mbpp.jsonl" ]; then
+      export JSPEC_PROMPTS_DIR="$PWD/$d"
+      break
+    fi
+  done
+fi
+if [ -z "${JSPEC_PROMPTS_DIR:-}" ]; then
+  echo "gpu_bench: no humaneval.jsonl / mbpp.jsonl found; set JSPEC_PROMPTS_DIR" >&2
+  exit 2
+fi
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(all)
+[ "${stages[*]}" = "all" ] && stages=(graft solo team busy peer)
+
+bench() {  # bench WORKLOADS [options]
+  local t0=$SECONDS
+  # shellcheck disable=SC2086
+  python3 -m jspec.bench.run --model "$GRAFT/target" --draft "$GRAFT/dspark" --out "$BENCH_DIR" \
+    --sampling "$SAMPLING" --workloads "$@" $BENCH_ARGS
+  echo "gpu_bench: $1 took $((SECONDS - t0)) s"
+  mkdir -p "$OUT/bench"
+  cp -r "$BENCH_DIR"/. "$OUT/bench/"
+}
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    graft)
+      if [ -f "$GRAFT/target/config.json" ] && [ -f "$GRAFT/dspark/config.json" ]; then
+        echo "gpu_bench: $GRAFT already built"
+      else
+        t0=$SECONDS
+        python3 -m jspec.convert.graft --target "$STANDIN_TARGET" --draft "$STANDIN_DRAFT" \
+          --out "$GRAFT" --force
+        echo "gpu_bench: graft took $((SECONDS - t0)) s"
+      fi
+      ;;
+    solo) bench solo --peer off ;;
+    team) bench team ;;
+    busy) bench busy ;;
+    peer) bench peer ;;
+    *) echo "gpu_bench: unknown stage $stage (graft | solo | team | busy | peer | all)" >&2; exit 2 ;;
+  esac
+done
+[ -f "$BENCH_DIR/bench.md" ] && cat "$BENCH_DIR/bench.md"
+exit 0

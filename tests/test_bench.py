@@ -1,0 +1,229 @@
+"""`jspec bench`: the gate statistics on hand-made numbers (including checks that must fail), and
+the whole pipeline end to end with --quick on a tiny target + drafter."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jspec.bench import gate as G
+from jspec.bench import workloads as W
+
+
+# ---- interval checks and the underpowered rule -------------------------------------------------
+
+def test_interval_check_pass_biased_and_underpowered():
+    ok = G.interval_check(0.01, 0.01, (-0.05, 0.05), 0.05)
+    assert ok["ok"] and ok["intersects"] and not ok["underpowered"]
+    assert ok["low"] == pytest.approx(0.01 - G.Z95 * 0.01)
+    # A biased candidate: the whole interval lies outside the band.
+    biased = G.interval_check(0.2, 0.01, (-0.05, 0.05), 0.05)
+    assert not biased["intersects"] and not biased["underpowered"] and not biased["ok"]
+    # Intersecting but too wide: half-width 1.96 * 0.06 = 0.118 > 2 * 0.05.
+    wide = G.interval_check(0.0, 0.06, (-0.05, 0.05), 0.05)
+    assert wide["intersects"] and wide["underpowered"] and not wide["ok"]
+    # Exactly at the power limit passes; just over it does not.
+    assert not G.interval_check(0.0, 0.0999 / G.Z95, (-0.05, 0.05), 0.05)["underpowered"]
+    assert G.interval_check(0.0, 0.1001 / G.Z95, (-0.05, 0.05), 0.05)["underpowered"]
+    # The interval only has to reach the band.
+    assert G.interval_check(0.0699, 0.02 / G.Z95, (-0.05, 0.05), 0.05)["ok"]
+    assert not G.interval_check(0.0701, 0.02 / G.Z95, (-0.05, 0.05), 0.05)["ok"]
+    # A check that cannot be evaluated fails.
+    for est, se in ((None, 0.1), (0.0, math.nan), (0.0, math.inf)):
+        assert not G.interval_check(est, se, (-1, 1), 1)["ok"]
+
+
+def test_ratio_of_means_delta_method_by_hand():
+    # R = mean([2, 4]) / mean([1, 3]) = 3 / 2.
+    # Unpaired: se^2 = var_c / (n m_s^2) + R^2 var_s / (n m_s^2) = 2/8 + 2.25 * 2/8 = 0.8125.
+    r = G.ratio_of_means([2, 4], [1, 3], paired=False)
+    assert r["ratio"] == pytest.approx(1.5) and r["se"] == pytest.approx(math.sqrt(0.8125))
+    # Paired: D = ([2, 4] - 1.5 [1, 3]) / 2 = [0.25, -0.25]; var 0.125; se^2 = 0.125 / 2.
+    r = G.ratio_of_means([2, 4], [1, 3], paired=True)
+    assert r["se"] == pytest.approx(math.sqrt(0.0625))
+
+
+def test_pooled_ratio_difference_by_hand():
+    # Candidate: y = [2, 4], x = [1, 3] -> R_c = 6/4 = 1.5, IF = (y - 1.5 x) / 2 = [0.25, -0.25].
+    # Stock: y = [1, 1], x = [1, 1] -> R_s = 1, IF = [0, 0].
+    d = G.ratio_difference([2, 4], [1, 3], [1, 1], [1, 1], paired=False)
+    assert d["gap"] == pytest.approx(0.5)
+    assert d["se"] == pytest.approx(math.sqrt(0.125 / 2))
+    d = G.ratio_difference([2, 4], [1, 3], [1, 1], [1, 1], paired=True)
+    assert d["se"] == pytest.approx(math.sqrt(0.125 / 2)) and d["paired"]
+
+
+def _replies(rng, n, per_token_mean, share, engine, mean_len=200):
+    out = []
+    for i in range(n):
+        length = int(rng.integers(mean_len // 2, 3 * mean_len // 2))
+        logp = rng.normal(per_token_mean, 1.0, length)  # token log-likelihoods
+        out.append({"workload": "team", "pass": i // 100, "prompt": i % 100, "engine": engine,
+                    "n": length, "logp": float(logp.sum()),
+                    "hits": int(rng.binomial(length, share))})
+    return out
+
+
+def test_likelihood_and_argmax_gates_pass_when_equal_and_fail_when_biased():
+    rng = np.random.default_rng(0)
+    stock = _replies(rng, 300, -1.0, 0.6, "stock")
+    same = _replies(rng, 300, -1.0, 0.6, "spec")
+    lk, am = G.likelihood_check(same, stock), G.argmax_check(same, stock)
+    assert lk["ok"] and am["ok"] and lk["paired"] and not lk["too_few_replies"]
+    assert lk["low"] <= 0.05 and lk["high"] >= -0.05
+    # A candidate whose replies are 0.2 nats/token less likely (e.g. a lossy sampler): must fail,
+    # and not for lack of power.
+    biased = _replies(rng, 300, -1.2, 0.6, "spec")
+    lk = G.likelihood_check(biased, stock)
+    assert not lk["ok"] and not lk["underpowered"] and lk["high"] < -0.05
+    # A candidate that picks the argmax far more often (a greedy-leaning sampler): must fail.
+    greedyish = _replies(rng, 300, -1.0, 0.7, "spec")
+    am = G.argmax_check(greedyish, stock)
+    assert not am["ok"] and not am["underpowered"] and am["low"] > 0.01
+    # Too few replies: fails even though the estimate is perfect.
+    small = G.likelihood_check(same[:50], stock[:50])
+    assert small["too_few_replies"] and not small["ok"]
+
+
+def test_lengths_gate():
+    rng = np.random.default_rng(1)
+    stock = _replies(rng, 300, -1.0, 0.6, "stock")
+    same = _replies(rng, 300, -1.0, 0.6, "spec")
+    assert G.replies_lengths_check(same, stock, min_replies=200)["ok"]
+    longer = _replies(rng, 300, -1.0, 0.6, "spec", mean_len=260)  # 30 % longer replies
+    chk = G.replies_lengths_check(longer, stock, min_replies=200)
+    assert not chk["ok"] and chk["low"] > 1.05 and not chk["underpowered"]
+    noisy = G.lengths_check([1, 300, 2, 250], [150, 140, 160, 151], paired=True)
+    assert noisy["underpowered"] and not noisy["ok"]
+
+
+def test_interval_coverage_under_the_null():
+    """Both engines sample the same law: the 95 % interval of the likelihood gap must cover 0 in
+    about 95 % of repeated experiments (fixed seed)."""
+    rng = np.random.default_rng(2)
+    covered = 0
+    trials = 300
+    for _ in range(trials):
+        c, s = (_replies(rng, 60, -1.0, 0.5, e, mean_len=40) for e in ("spec", "stock"))
+        d = G.likelihood_check(c, s, min_replies=0)
+        covered += d["low"] <= 0 <= d["high"]
+    assert 0.91 <= covered / trials <= 0.99, covered / trials
+
+
+def test_greedy_agreement_fidelity_memory_specscore():
+    assert G.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert G.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert G.agreement([1, 2], [1, 2, 3]) == pytest.approx(2 / 3)  # runs on: counts against
+    g = G.greedy_check([[1, 2, 3, 4]] * 3, [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5]])
+    assert g["mean"] == pytest.approx((1 + 1 + 0.75) / 3) and not g["ok"] and g["identical"] == 2
+    assert G.fidelity_check([0.001, -0.001, 0.0015])["ok"]
+    f = G.fidelity_check([0.003, -0.002, 0.004])
+    assert not f["ok"] and f["max"] == pytest.approx(0.004)
+    m = G.memory_check(10 * 2 ** 30, 10 * 2 ** 30 + 4000 * 2 ** 20)
+    assert m["ok"] and m["allowed_mib"] == pytest.approx(10 * 1024 + 4096)
+    assert not G.memory_check(2 ** 30, 2 ** 30 + 5000 * 2 ** 20)["ok"]
+    assert G.memory_check(None, None)["ok"] is None
+    ratios = {"solo": 1.5, "team": 2.0, "busy": 3.0}
+    passing = {"a": {"ok": True}, "b": {"ok": True}}
+    score, reason = G.specscore(ratios, passing)
+    assert score == pytest.approx(9 ** (1 / 3)) and reason is None
+    score, reason = G.specscore(ratios, {**passing, "likelihood": {"ok": False, "why": "biased"}})
+    assert score is None and "likelihood: biased" in reason
+    score, reason = G.specscore({**ratios, "busy": None}, passing)
+    assert score is None and "busy" in reason
+
+
+# ---- workloads ------------------------------------------------------------------------------------
+
+class _CharTokenizer:
+    eos_ids = (0,)
+
+    def encode(self, text):
+        return [ord(c) % 250 + 1 for c in text]
+
+    def apply_chat_template(self, messages):
+        return "<u>" + messages[0]["content"] + "</u>"
+
+
+def test_busy_prompts_pool_sizing_and_seeds():
+    texts = [f"text number {i} " * (3 + i % 5) for i in range(40)]
+    tok = _CharTokenizer()
+    prompts = W.concatenated_prompts(tok, texts, 8, 300)
+    assert len(prompts) == 8 and all(len(p) >= 300 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 8
+    fixed = W.fixed_texts(tok, texts, 3, 64)
+    assert all(len(c) == 64 for _, c in fixed)
+    lens = [3000] * 32
+    pages = W.busy_num_pages(lens, 32, 256, 16, 16)
+    steady = 32 * ((3000 + 128 + 16) / 16 + 0.5)  # pages the lanes hold at the mean context
+    assert 0.96 <= steady / (pages - 1) <= 0.98
+    assert W.request_seed("team", 0, "stock", 3) != W.request_seed("team", 0, "spec", 3)
+    assert W.request_seed("team", 0, "stock", 3) == W.request_seed("team", 0, "stock", 3)
+    assert W.request_seed("team", 0, "stock", 3) != W.request_seed("team", 1, "stock", 3)
+
+
+# ---- the pipeline, end to end ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bench_pair(tmp_path_factory):
+    from hf_models import make_hf_qwen3, save_drafter_checkpoint, write_tiny_tokenizer
+    from jspec.config import PRESETS
+    from jspec.dspark import DSparkConfig, init_random_drafter
+    from jspec.loading import load_model
+    cfg = PRESETS["tiny-untied"]
+    dcfg = DSparkConfig(layers=cfg.replace(num_layers=2), block_size=7,
+                        mask_token_id=cfg.vocab_size - 1, target_layer_ids=(0, 2, 4),
+                        markov_rank=cfg.hidden_size)
+    d = tmp_path_factory.mktemp("bench-target")
+    make_hf_qwen3(cfg, d, seed=5, std=0.3)
+    write_tiny_tokenizer(d, cfg.vocab_size)
+    _, target = load_model(d)
+    drafter = init_random_drafter(dcfg, seed=8)
+    nnx.update(drafter, jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, nnx.state(drafter)))
+    dd = tmp_path_factory.mktemp("bench-draft")
+    save_drafter_checkpoint(drafter, dcfg, dd, target=target)
+    return d, dd
+
+
+def test_bench_quick_end_to_end(bench_pair, tmp_path, capsys):
+    import argparse
+
+    from jspec.bench.report import REQUIRED_KEYS
+    from jspec.bench.run import add_bench_parser
+    target_dir, draft_dir = bench_pair
+    parser = argparse.ArgumentParser(prog="jspec")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "bench"
+    args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
+                              "--out", str(out), "--quick", "--no-progress"])
+    assert args.func(args) == 0
+    rec = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.md").stat().st_size > 0 and (out / "bench.png").stat().st_size > 1000
+    for key in REQUIRED_KEYS:
+        assert key in rec, key
+    for w in ("solo", "team", "busy"):
+        assert len(rec["ratios"][w]["passes"]) == 3 and rec["ratios"][w]["ratio"] > 0
+        assert rec["acceptance"][w] >= 1.0
+        assert rec["efficiency"][w] == pytest.approx(rec["ratios"][w]["ratio"] / rec["acceptance"][w])
+        assert rec["tokens_per_s"][w]["stock"] > 0 and rec["tokens_per_s"][w]["spec"] > 0
+        assert {"ratio", "low", "high"} <= set(rec["lengths"][w])
+        assert not rec["workloads"][w]["recompiled"]
+    for key in ("gap", "se", "candidate", "stock"):
+        assert rec["likelihood"][key] is not None
+    assert {"gap", "se"} <= set(rec["argmax"])
+    # Fidelity: verify vs decode on fp32 weights agree to far below the limit.
+    assert rec["fidelity"]["mean"] <= 0.002 and rec["fidelity"]["max"] is not None
+    assert rec["greedy_agreement"] == pytest.approx(1.0)
+    assert set(rec["memory"]) >= {"peak_mib_stock", "peak_mib_spec", "allowed_mib", "ok"}
+    assert rec["memory"]["ok"] is None  # CPU: no device statistics
+    assert rec["roofline"]["solo_stock_fraction"] > 0 and rec["roofline"]["device"] == "cpu"
+    assert set(rec["env"]) >= {"gpu", "jax", "jaxlib", "commit", "command", "date"}
+    assert "--quick" in rec["env"]["command"]
+    # Quick is honest: too few replies, so the gates fail and there is no SpecScore.
+    assert rec["specscore"] is None and "too few replies" in rec["reason"]
+    assert rec["likelihood"]["too_few_replies"] and not rec["gates"]["likelihood"]["ok"]
+    assert rec["peer"]["status"] == "skipped"
+    assert "SpecScore: null" in capsys.readouterr().out
