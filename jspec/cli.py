@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "triton"])
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=_cmd_generate)
+
+    from jspec.bench.run import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

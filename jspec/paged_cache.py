@@ -37,9 +37,11 @@ class CacheShape:
 
 def init_kv_caches(shape: CacheShape, device: jax.Device | None = None) -> list[tuple[jax.Array, jax.Array]]:
     pool = (shape.num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(pool, shape.dtype), out_shardings=None)
-    with jax.default_device(device or jax.devices()[0]):
-        return [(zeros(), zeros()) for _ in range(shape.num_layers)]
+    # Committed to the device, like the params: mixing committed and uncommitted arguments would
+    # give the programs a second compiled variant.
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    zeros = jax.jit(lambda: jnp.zeros(pool, shape.dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(shape.num_layers)]
 
 
 class PageAllocator:
