@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.config import ConfigError, Qwen3Config
-from jspec.qwen3 import AttentionFn, DecoderLayer, RMSNorm, _normal, apply_rope
+from jspec.qwen3 import (AttentionFn, DecoderLayer, RMSNorm, _normal, apply_rope,
+                         layer_checkpoint_shapes)
 
 Array = jax.Array
 MARKOV_HEAD_TYPES = ("vanilla", "gated")
@@ -215,26 +216,12 @@ def drafter_checkpoint_shapes(cfg: DSparkConfig) -> dict[str, tuple[tuple[int, .
     """DeepSpec checkpoint key -> (shape, jspec param path). embed_tokens / lm_head copies are
     not listed: they are checked against the target's instead of loaded."""
     lc = cfg.layers
-    D, F, V, r = lc.hidden_size, lc.intermediate_size, lc.vocab_size, cfg.markov_rank
-    Hq, Hkv, hd = lc.num_heads, lc.num_kv_heads, lc.head_dim
+    D, V, r = lc.hidden_size, lc.vocab_size, cfg.markov_rank
     keys = {"fc.weight": ((D, cfg.num_taps * D), ("fc",)),
             "hidden_norm.weight": ((D,), ("hidden_norm", "weight")),
             "norm.weight": ((D,), ("norm", "weight"))}
     for i in range(lc.num_layers):
-        p, layer = f"layers.{i}.", ("layers", i)
-        keys.update({
-            p + "input_layernorm.weight": ((D,), layer + ("input_layernorm", "weight")),
-            p + "post_attention_layernorm.weight": ((D,), layer + ("post_attention_layernorm", "weight")),
-            p + "self_attn.q_proj.weight": ((Hq * hd, D), layer + ("self_attn", "q_proj")),
-            p + "self_attn.k_proj.weight": ((Hkv * hd, D), layer + ("self_attn", "k_proj")),
-            p + "self_attn.v_proj.weight": ((Hkv * hd, D), layer + ("self_attn", "v_proj")),
-            p + "self_attn.o_proj.weight": ((D, Hq * hd), layer + ("self_attn", "o_proj")),
-            p + "self_attn.q_norm.weight": ((hd,), layer + ("self_attn", "q_norm", "weight")),
-            p + "self_attn.k_norm.weight": ((hd,), layer + ("self_attn", "k_norm", "weight")),
-            p + "mlp.gate_proj.weight": ((F, D), layer + ("mlp", "gate_proj")),
-            p + "mlp.up_proj.weight": ((F, D), layer + ("mlp", "up_proj")),
-            p + "mlp.down_proj.weight": ((D, F), layer + ("mlp", "down_proj")),
-        })
+        keys.update(layer_checkpoint_shapes(lc, f"layers.{i}.", ("layers", i)))
     if r:
         keys["markov_head.markov_w1.weight"] = ((V, r), ("markov_w1",))
         keys["markov_head.markov_w2.weight"] = ((V, r), ("markov_w2",))

@@ -20,7 +20,6 @@ import functools
 import itertools
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -205,26 +205,32 @@ def checkpoint_shapes(cfg: Qwen3Config) -> dict[str, tuple[tuple[int, ...], tupl
     """Every Hugging Face checkpoint key -> (its shape in the checkpoint, the jspec param path).
 
     jspec's layouts are free reshapes of these shapes, so loading is rename + reshape."""
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    D, V = cfg.hidden_size, cfg.vocab_size
     keys = {"model.embed_tokens.weight": ((V, D), ("embed_tokens",)),
             "model.norm.weight": ((D,), ("norm", "weight"))}
     if not cfg.tie_word_embeddings:
         keys["lm_head.weight"] = ((V, D), ("lm_head",))
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        layer = ("layers", i)
-        keys.update({
-            p + "input_layernorm.weight": ((D,), layer + ("input_layernorm", "weight")),
-            p + "post_attention_layernorm.weight": ((D,), layer + ("post_attention_layernorm", "weight")),
-            p + "self_attn.q_proj.weight": ((Hq * hd, D), layer + ("self_attn", "q_proj")),
-            p + "self_attn.k_proj.weight": ((Hkv * hd, D), layer + ("self_attn", "k_proj")),
-            p + "self_attn.v_proj.weight": ((Hkv * hd, D), layer + ("self_attn", "v_proj")),
-            p + "self_attn.o_proj.weight": ((D, Hq * hd), layer + ("self_attn", "o_proj")),
-            p + "self_attn.q_norm.weight": ((hd,), layer + ("self_attn", "q_norm", "weight")),
-            p + "self_attn.k_norm.weight": ((hd,), layer + ("self_attn", "k_norm", "weight")),
-            p + "mlp.gate_proj.weight": ((F, D), layer + ("mlp", "gate_proj")),
-            p + "mlp.up_proj.weight": ((F, D), layer + ("mlp", "up_proj")),
-            p + "mlp.down_proj.weight": ((D, F), layer + ("mlp", "down_proj")),
-        })
+        keys.update(layer_checkpoint_shapes(cfg, f"model.layers.{i}.", ("layers", i)))
     return keys
+
+
+def layer_checkpoint_shapes(cfg: Qwen3Config, prefix: str, layer: tuple) -> dict:
+    """One decoder layer's checkpoint keys (under `prefix`) -> (shape, param path under `layer`).
+    Shared by the target and the drafter, whose layers are the same module."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {
+        "input_layernorm.weight": ((D,), ("input_layernorm", "weight")),
+        "post_attention_layernorm.weight": ((D,), ("post_attention_layernorm", "weight")),
+        "self_attn.q_proj.weight": ((Hq * hd, D), ("self_attn", "q_proj")),
+        "self_attn.k_proj.weight": ((Hkv * hd, D), ("self_attn", "k_proj")),
+        "self_attn.v_proj.weight": ((Hkv * hd, D), ("self_attn", "v_proj")),
+        "self_attn.o_proj.weight": ((D, Hq * hd), ("self_attn", "o_proj")),
+        "self_attn.q_norm.weight": ((hd,), ("self_attn", "q_norm", "weight")),
+        "self_attn.k_norm.weight": ((hd,), ("self_attn", "k_norm", "weight")),
+        "mlp.gate_proj.weight": ((F, D), ("mlp", "gate_proj")),
+        "mlp.up_proj.weight": ((F, D), ("mlp", "up_proj")),
+        "mlp.down_proj.weight": ((D, F), ("mlp", "down_proj")),
+    }
+    return {prefix + key: (shape, layer + path) for key, (shape, path) in shapes.items()}

@@ -29,8 +29,9 @@ from jspec.kernels.kv_cache_write import write_kv
 from jspec.paged_cache import NULL_PAGE
 from jspec.qwen3 import Qwen3
 from jspec.rejection import rejection_sample
-from jspec.sampling import SamplingArrays, draft_sample, sample
-from jspec.steps import DecodeState, paged_attention, slots_for, token_logprobs
+from jspec.sampling import SamplingArrays, draft_sample
+from jspec.steps import (DecodeState, paged_attention, prefill_layout, sample_after_chunk,
+                         slots_for)
 
 Array = jax.Array
 
@@ -73,23 +74,12 @@ class SpecPrograms:
         """As the stock prefill, plus the drafter's context K/V for the chunk."""
         target, drafter = self.models(params)
         tcaches, dcaches = caches
-        chunk = tokens_c.shape[0]
-        idx_c = jnp.arange(chunk, dtype=jnp.int32)
-        valid_c = idx_c < q_len
-        positions_c = start + jnp.minimum(idx_c, q_len - 1)
-        page_table_1p = page_row_p[None]
-        slots_c = slots_for(page_table_1p, jnp.zeros_like(idx_c), positions_c, self.page_size)
-        slots_c = jnp.where(valid_c, slots_c, NULL_PAGE * self.page_size + idx_c % self.page_size)
-        attend = paged_attention(slots_c, (start + q_len)[None], page_table_1p,
-                                 jnp.stack([0, q_len]).astype(jnp.int32), max_q_len=chunk,
-                                 impl=self.attn_impl)
+        positions_c, slots_c, attend = prefill_layout(tokens_c, start, q_len, page_row_p,
+                                                      self.page_size, self.attn_impl)
         hidden_1cd, taps, tcaches = target(tokens_c[None], positions_c[None], attention=attend,
                                            caches=tcaches, tap_layers=self.dcfg.target_layer_ids)
         dcaches = self._write_context(drafter, dcaches, taps, positions_c[None], slots_c)
-        last_1d = jax.lax.dynamic_index_in_dim(hidden_1cd[0], q_len - 1, axis=0, keepdims=True)
-        logits_1v = target.logits(last_1d)
-        token_1, _ = sample(logits_1v, sampling, (start + q_len)[None])
-        return (tcaches, dcaches), token_1, token_logprobs(logits_1v, token_1)
+        return ((tcaches, dcaches), *sample_after_chunk(target, hidden_1cd, start, q_len, sampling))
 
     # ---- one speculative iteration ------------------------------------------------------------
 

@@ -46,6 +46,31 @@ def paged_attention(slot_mapping_t, kv_lens_b, page_table_bp, cu_q_lens, *, max_
     return attend
 
 
+def prefill_layout(tokens_c: Array, start: Array, q_len: Array, page_row_p: Array, page_size: int,
+                   attn_impl: str):
+    """Positions, cache slots and the attention callback of one lane's prefill chunk: tokens
+    [:q_len] at positions start.., padding rows written into the null page."""
+    chunk = tokens_c.shape[0]
+    idx_c = jnp.arange(chunk, dtype=jnp.int32)
+    positions_c = start + jnp.minimum(idx_c, q_len - 1)
+    page_table_1p = page_row_p[None]
+    slots_c = slots_for(page_table_1p, jnp.zeros_like(idx_c), positions_c, page_size)
+    slots_c = jnp.where(idx_c < q_len, slots_c, NULL_PAGE * page_size + idx_c % page_size)
+    attend = paged_attention(slots_c, (start + q_len)[None], page_table_1p,
+                             jnp.stack([0, q_len]).astype(jnp.int32), max_q_len=chunk,
+                             impl=attn_impl)
+    return positions_c, slots_c, attend
+
+
+def sample_after_chunk(model: Qwen3, hidden_1cd: Array, start: Array, q_len: Array,
+                       sampling: SamplingArrays):
+    """The token after a prefill chunk's last row, and its model log-prob."""
+    last_1d = jax.lax.dynamic_index_in_dim(hidden_1cd[0], q_len - 1, axis=0, keepdims=True)
+    logits_1v = model.logits(last_1d)
+    token_1, _ = sample(logits_1v, sampling, (start + q_len)[None])
+    return token_1, token_logprobs(logits_1v, token_1)
+
+
 def token_logprobs(logits_tv: Array, tokens_t: Array) -> Array:
     """log p_model(token) under the raw (temperature 1, unfiltered) distribution."""
     logp = jax.nn.log_softmax(logits_tv.astype(jnp.float32), axis=-1)
@@ -94,23 +119,12 @@ class StockPrograms:
 
         tokens_c [C] (padded), start / q_len scalars, page_row_p [pages_per_lane], sampling of 1 lane.
         Returns (caches, token [1], logprob [1])."""
-        chunk = tokens_c.shape[0]
-        idx_c = jnp.arange(chunk, dtype=jnp.int32)
-        valid_c = idx_c < q_len
-        positions_c = start + jnp.minimum(idx_c, q_len - 1)
-        page_table_1p = page_row_p[None]
-        slots_c = slots_for(page_table_1p, jnp.zeros_like(idx_c), positions_c, self.page_size)
-        slots_c = jnp.where(valid_c, slots_c, NULL_PAGE * self.page_size + idx_c % self.page_size)
-        attend = paged_attention(slots_c, (start + q_len)[None], page_table_1p,
-                                 jnp.stack([0, q_len]).astype(jnp.int32), max_q_len=chunk,
-                                 impl=self.attn_impl)
+        positions_c, _, attend = prefill_layout(tokens_c, start, q_len, page_row_p,
+                                                self.page_size, self.attn_impl)
         model = self.model(params)
         hidden_1cd, _, caches = model(tokens_c[None], positions_c[None], attention=attend,
                                       caches=caches)
-        last_1d = jax.lax.dynamic_index_in_dim(hidden_1cd[0], q_len - 1, axis=0, keepdims=True)
-        logits_1v = model.logits(last_1d)
-        token_1, _ = sample(logits_1v, sampling, (start + q_len)[None])
-        return caches, token_1, token_logprobs(logits_1v, token_1)
+        return (caches, *sample_after_chunk(model, hidden_1cd, start, q_len, sampling))
 
     # ---- the device-resident decode loop ------------------------------------------------------
 
