@@ -236,3 +236,29 @@ def drafter_checkpoint_shapes(cfg: DSparkConfig) -> dict[str, tuple[tuple[int, .
 
 
 SHARED_WITH_TARGET = {"embed_tokens.weight": "embed", "lm_head.weight": "head"}
+
+
+def dense_draft(target, drafter: DSparkDrafter, context_bs, anchor_b, prev_bk):
+    """Reference twin of the paged draft, for tests and training checks: B blocks whose
+    contexts all have length s, with dense attention over [context K/V ; block K/V] and no mask.
+    context_bs [B, s] tokens, anchor_b [B], prev_bk [B, block] (the previous token of each
+    block position). Returns (U + Markov bias [B, block, V] f32, final-normed hidden
+    [B, block, D], confidence logits [B, block])."""
+    from jspec.qwen3 import dense_attention, forward_logits
+    cfg = drafter.cfg
+    context_bs, anchor_b, prev_bk = map(jnp.asarray, (context_bs, anchor_b, prev_bk))
+    B, s = context_bs.shape
+    _, taps = forward_logits(target, context_bs, tap_layers=cfg.target_layer_ids)
+    ctx_kv = drafter.context_kv(drafter.fuse(taps), jnp.broadcast_to(jnp.arange(s), (B, s)))
+    block = jnp.concatenate(
+        [anchor_b[:, None], jnp.full((B, cfg.block_size - 1), cfg.mask_token_id)], 1)
+
+    def attend(i, q, k, v, cache):
+        k_all = jnp.concatenate([ctx_kv[i][0], k], 1)
+        v_all = jnp.concatenate([ctx_kv[i][1], v], 1)
+        return dense_attention(q, k_all, v_all, jnp.ones((B, q.shape[1], k_all.shape[1]), bool)), cache
+
+    positions = jnp.broadcast_to(s + jnp.arange(cfg.block_size), (B, cfg.block_size))
+    hidden, _ = drafter.block_hidden(target.embed(block), positions, attend, None)
+    logits = target.logits(hidden) + drafter.markov_bias(prev_bk, hidden)
+    return logits, hidden, drafter.confidence_logits(hidden, prev_bk)

@@ -30,8 +30,8 @@ from jspec.paged_cache import NULL_PAGE
 from jspec.qwen3 import Qwen3
 from jspec.rejection import rejection_sample
 from jspec.sampling import SamplingArrays, draft_sample
-from jspec.steps import (DecodeState, paged_attention, prefill_layout, sample_after_chunk,
-                         slots_for)
+from jspec.steps import (DecodeState, Programs, paged_attention, prefill_layout,
+                         sample_after_chunk, slots_for)
 
 Array = jax.Array
 
@@ -43,7 +43,7 @@ def _lane_grid(num_lanes: int, width: int):
     return lanes, offsets
 
 
-class SpecPrograms:
+class SpecPrograms(Programs):
     def __init__(self, target_graphdef, draft_graphdef, dcfg: DSparkConfig, page_size: int,
                  eos_ids: tuple[int, ...], attn_impl: str = "auto", num_draft: int | None = None):
         self.tg, self.dg, self.dcfg = target_graphdef, draft_graphdef, dcfg
@@ -53,12 +53,7 @@ class SpecPrograms:
         if not 1 <= self.k <= dcfg.block_size:
             raise ValueError(f"num_draft_tokens must be in 1..{dcfg.block_size} (the drafter's "
                              f"block size), got {self.k}")
-        self.page_size = page_size
-        self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
-        self.attn_impl = attn_impl
-        self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-        self.decode = jax.jit(self._decode, donate_argnums=(1,), static_argnames=("num_steps",))
-        self.teacher_forced = jax.jit(self._teacher_forced, donate_argnums=(1,))
+        super().__init__(page_size, eos_ids, attn_impl)
 
     def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
         return nnx.merge(self.tg, params[0]), nnx.merge(self.dg, params[1])

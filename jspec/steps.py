@@ -95,17 +95,25 @@ class DecodeState:
     sampling: SamplingArrays
 
 
-class StockPrograms:
-    """Compiled-once prefill and decode programs for one model and one cache geometry."""
+class Programs:
+    """The three jitted entry points every engine kind provides, caches (argument 1) donated:
+    prefill (one lane's chunk), decode (steps per dispatch), teacher_forced (scoring)."""
 
-    def __init__(self, graphdef, page_size: int, eos_ids: tuple[int, ...], attn_impl: str = "auto"):
-        self.graphdef = graphdef
+    def __init__(self, page_size: int, eos_ids: tuple[int, ...], attn_impl: str):
         self.page_size = page_size
         self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
         self.attn_impl = attn_impl
         self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
         self.decode = jax.jit(self._decode, donate_argnums=(1,), static_argnames=("num_steps",))
         self.teacher_forced = jax.jit(self._teacher_forced, donate_argnums=(1,))
+
+
+class StockPrograms(Programs):
+    """Compiled-once prefill and decode programs for one model and one cache geometry."""
+
+    def __init__(self, graphdef, page_size: int, eos_ids: tuple[int, ...], attn_impl: str = "auto"):
+        self.graphdef = graphdef
+        super().__init__(page_size, eos_ids, attn_impl)
 
     def model(self, params) -> Qwen3:
         return nnx.merge(self.graphdef, params)

@@ -11,8 +11,8 @@ from flax import nnx
 
 from jspec.config import PRESETS, ConfigError
 from jspec.convert.safetensors_reader import CheckpointError
-from jspec.dspark import DSparkConfig, init_random_drafter
-from jspec.qwen3 import dense_attention, forward_logits, init_random
+from jspec.dspark import DSparkConfig, dense_draft, init_random_drafter
+from jspec.qwen3 import forward_logits, init_random
 
 CFG = PRESETS["tiny-untied"]
 DCFG = DSparkConfig(layers=CFG.replace(num_layers=2), block_size=7, mask_token_id=CFG.vocab_size - 1,
@@ -83,23 +83,10 @@ def reference_block_logits(target, drafter, taps_cd, anchor, s, prev_tokens):
 
 
 def dense_block_logits(target, drafter, context_tokens, anchor, prev_tokens):
-    """The jspec modules with dense attention: context K/V ++ block K/V, no mask."""
-    s = len(context_tokens)
+    """The jspec modules with dense attention (dspark.dense_draft) for one block; also the taps."""
+    logits, _, _ = dense_draft(target, drafter, [context_tokens], [anchor], [prev_tokens])
     _, taps = forward_logits(target, jnp.asarray([context_tokens]), tap_layers=DCFG.target_layer_ids)
-    ctx = drafter.fuse(taps)
-    ctx_kv = drafter.context_kv(ctx, jnp.arange(s)[None])
-    block = jnp.asarray([[anchor] + [DCFG.mask_token_id] * (DCFG.block_size - 1)])
-    positions = s + jnp.arange(DCFG.block_size)[None]
-
-    def attend(i, q, k, v, cache):
-        k_all = jnp.concatenate([ctx_kv[i][0], k], 1)
-        v_all = jnp.concatenate([ctx_kv[i][1], v], 1)
-        mask = jnp.ones((1, q.shape[1], k_all.shape[1]), bool)
-        return dense_attention(q, k_all, v_all, mask), cache
-
-    hidden, _ = drafter.block_hidden(target.embed(block), positions, attend, None)
-    U = target.logits(hidden)[0]
-    return U + drafter.markov_bias(jnp.asarray(prev_tokens)), taps
+    return logits[0], taps
 
 
 def test_drafter_math_matches_float64_reference(pair):

@@ -15,9 +15,9 @@ from flax import nnx
 from jspec.config import Qwen3Config
 from jspec.convert import graft as G
 from jspec.convert.safetensors_reader import index_checkpoint, read_tensor
-from jspec.dspark import DSparkConfig, abstract_drafter, drafter_checkpoint_shapes
+from jspec.dspark import DSparkConfig, abstract_drafter, dense_draft, drafter_checkpoint_shapes
 from jspec.loading import load_drafter, load_model
-from jspec.qwen3 import checkpoint_shapes, dense_attention, forward_logits
+from jspec.qwen3 import checkpoint_shapes, forward_logits
 
 MID = G.SHAPES["mid"]
 
@@ -205,22 +205,9 @@ def test_grafted_target_matches_transformers_float64(grafted):
 # ---- the drafters -------------------------------------------------------------------------------
 
 def _dense_block(target, drafter, dcfg, context, anchor, prev):
-    """Draft logits U + B and confidence logits of one block (dense attention, as test_dspark)."""
-    s = len(context)
-    _, taps = forward_logits(target, jnp.asarray([context]), tap_layers=dcfg.target_layer_ids)
-    ctx = drafter.fuse(taps)
-    ctx_kv = drafter.context_kv(ctx, jnp.arange(s)[None])
-    block = jnp.asarray([[anchor] + [dcfg.mask_token_id] * (dcfg.block_size - 1)])
-    positions = s + jnp.arange(dcfg.block_size)[None]
-
-    def attend(i, q, k, v, cache):
-        k_all, v_all = jnp.concatenate([ctx_kv[i][0], k], 1), jnp.concatenate([ctx_kv[i][1], v], 1)
-        return dense_attention(q, k_all, v_all, jnp.ones((1, q.shape[1], k_all.shape[1]), bool)), cache
-
-    hidden, _ = drafter.block_hidden(target.embed(block), positions, attend, None)
-    prev = jnp.asarray(prev)
-    logits = target.logits(hidden)[0] + drafter.markov_bias(prev, hidden[0])
-    return np.asarray(logits), np.asarray(drafter.confidence_logits(hidden[0], prev))
+    """Draft logits U + B and confidence logits of one block (jspec.dspark.dense_draft)."""
+    logits, _, conf = dense_draft(target, drafter, [context], [anchor], [prev])
+    return np.asarray(logits[0]), np.asarray(conf[0])
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])

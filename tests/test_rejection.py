@@ -19,33 +19,10 @@ import pytest
 from jspec import rejection, sampling
 from jspec.rejection import rejection_sample, rejection_sample_core
 from jspec.sampling import SamplingArrays
+from stats_helpers import chi2_pvalue
 
 ALPHA = 1e-5  # per-check significance; seeds are fixed, so every verdict is deterministic
 NEG = -np.inf
-
-
-def chi2_pvalue(counts, probs, min_expected=5.0):
-    """Goodness of fit of integer counts to a law. Draws in a zero-probability cell -> 0.0.
-
-    Cells with expected count < min_expected are pooled (chi2 sf = gammaincc(df/2, stat/2)).
-    """
-    counts = np.asarray(counts, np.float64).ravel()
-    probs = np.asarray(probs, np.float64).ravel()
-    if np.any(counts[probs <= 0] > 0):
-        return 0.0
-    expected = counts.sum() * probs / probs.sum()
-    big = expected >= min_expected
-    obs = np.append(counts[big], counts[~big & (probs > 0)].sum())
-    exp = np.append(expected[big], expected[~big & (probs > 0)].sum())
-    if exp[-1] < min_expected:  # fold a still-small pool into the smallest big cell
-        j = np.argmin(exp[:-1])
-        obs[j] += obs[-1]
-        exp[j] += exp[-1]
-        obs, exp = obs[:-1], exp[:-1]
-    if len(exp) < 2:
-        return 1.0
-    stat = np.sum((obs - exp) ** 2 / exp)
-    return float(jax.scipy.special.gammaincc((len(exp) - 1) / 2.0, stat / 2.0))
 
 
 def log(probs):

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from jspec.config import Qwen3Config
-from jspec.dspark import init_random_drafter
-from jspec.qwen3 import dense_attention, forward_logits, init_random
+from jspec.dspark import dense_draft, init_random_drafter
+from jspec.qwen3 import forward_logits, init_random
 from jspec.train import OptimConfig, TrainState
 from jspec.train.checkpointing import (CheckpointManager, LossLog, export_drafter, export_target,
                                        fit, resume)
@@ -127,22 +127,10 @@ def test_target_loss_decreases_and_memorises(trained_target, toy_data):
 # ---- drafter: the training forward is the inference draft -----------------------------------------
 
 def inference_block_logits(target, drafter, context_bs, anchor_b, prev_bk):
-    """The inference draft path of tests/test_dspark.py, for B lanes of one context length s:
-    context K/V of tokens < s ++ the block's K/V, no mask; U + B(prev) and confidence logits."""
-    dcfg = drafter.cfg
-    B, s = context_bs.shape
-    _, taps = forward_logits(target, context_bs, tap_layers=dcfg.target_layer_ids)
-    ctx_kv = drafter.context_kv(drafter.fuse(taps), jnp.broadcast_to(jnp.arange(s), (B, s)))
-    block = jnp.concatenate([anchor_b[:, None], jnp.full((B, dcfg.block_size - 1), dcfg.mask_token_id)], 1)
-
-    def attend(i, q, k, v, cache):
-        k_all, v_all = jnp.concatenate([ctx_kv[i][0], k], 1), jnp.concatenate([ctx_kv[i][1], v], 1)
-        return dense_attention(q, k_all, v_all, jnp.ones((B, q.shape[1], k_all.shape[1]), bool)), cache
-
-    positions = jnp.broadcast_to(s + jnp.arange(dcfg.block_size), (B, dcfg.block_size))
-    hidden, _ = drafter.block_hidden(target.embed(block), positions, attend, None)
-    return (target.logits(hidden) + drafter.markov_bias(prev_bk, hidden),
-            drafter.confidence_logits(hidden, prev_bk))
+    """The inference draft path (jspec.dspark.dense_draft) for B lanes of one context length:
+    U + B(prev) and confidence logits."""
+    logits, _, conf = dense_draft(target, drafter, context_bs, anchor_b, prev_bk)
+    return logits, conf
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
