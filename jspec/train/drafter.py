@@ -178,7 +178,11 @@ def training_block_logits(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Arra
 
 
 def drafter_loss(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, loss_mask_bs: Array,
-                 key: Array, cfg: DrafterTrainConfig) -> tuple[Array, dict]:
+                 key: Array, cfg: DrafterTrainConfig, logit_bias_v: Array | None = None
+                 ) -> tuple[Array, dict]:
+    """`logit_bias_v` (a compact vocabulary's log multiplicities) is added to the target's and
+    the drafter's logits alike: both laws are then the full-vocabulary ones."""
+    bias_v = 0.0 if logit_bias_v is None else logit_bias_v
     anchors_ba, keep_ba = sample_anchors(key, loss_mask_bs, cfg.num_anchors)
     layout = block_layout(tokens_bs, loss_mask_bs, anchors_ba, keep_ba, drafter.cfg, cfg.loss.gamma)
     h_bakd, th_bakd = draft_hidden(target, drafter, tokens_bs, anchors_ba, layout,
@@ -187,11 +191,11 @@ def drafter_loss(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, loss_m
     D = h_bakd.shape[-1]
 
     def row_terms(r):
-        logits_cv = draft_logits(drafter, head_vd, r["h"], r["prev"])
+        logits_cv = draft_logits(drafter, head_vd, r["h"], r["prev"]) + bias_v
         logp_cv = jax.nn.log_softmax(logits_cv, axis=-1)
         nll_c = -jnp.take_along_axis(logp_cv, r["y"][:, None], axis=-1)[:, 0]
         p_t_cv = jax.nn.softmax(jnp.einsum("cd,vd->cv", r["th"], head_vd,
-                                           preferred_element_type=jnp.float32), axis=-1)
+                                           preferred_element_type=jnp.float32) + bias_v, axis=-1)
         l1_c = jnp.sum(jnp.abs(jnp.exp(logp_cv) - p_t_cv), axis=-1)
         c_star = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1_c, 0.0, 1.0))
         bce_c = optax.sigmoid_binary_cross_entropy(drafter.confidence_logits(r["h"], r["prev"]), c_star)
@@ -230,25 +234,26 @@ def acceptance_metrics(c_star_bak: Array, hit_bak: Array, eval_mask_bak: Array, 
 
 # ---- the trainer ---------------------------------------------------------------------------------
 
-def _loss(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key):
+def _loss(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key, bias_v):
     target_binder, binder = binders
     target = target_binder.bind(target_params)
     drafter = binder.bind(cast_floats(params, cfg.compute_dtype))
-    return drafter_loss(target, drafter, tokens_bs, loss_mask_bs, key, cfg)
+    return drafter_loss(target, drafter, tokens_bs, loss_mask_bs, key, cfg, bias_v)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _train_step(binders, optim_cfg, cfg, params, opt_state, target_params, tokens_bs, loss_mask_bs, key):
+def _train_step(binders, optim_cfg, cfg, params, opt_state, target_params, tokens_bs, loss_mask_bs, key,
+                bias_v):
     grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binders, cfg, params, target_params,
-                                                             tokens_bs, loss_mask_bs, key)
+                                                             tokens_bs, loss_mask_bs, key, bias_v)
     updates, opt_state = make_optimizer(optim_cfg).update(grads, opt_state, params)
     metrics["grad_norm"] = global_norm(grads)
     return jax.tree.map(jnp.add, params, updates), opt_state, metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _eval_step(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key):
-    return _loss(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key)[1]
+def _eval_step(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key, bias_v):
+    return _loss(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key, bias_v)[1]
 
 
 class DrafterTrainer:
@@ -257,8 +262,12 @@ class DrafterTrainer:
     are jitted once per (shapes, configs) and shared by trainers of the same shapes."""
 
     def __init__(self, target: Qwen3, drafter: DSparkDrafter, optim: OptimConfig,
-                 cfg: DrafterTrainConfig = DrafterTrainConfig(), seed: int = 0):
+                 cfg: DrafterTrainConfig = DrafterTrainConfig(), seed: int = 0,
+                 logit_bias: np.ndarray | None = None):
         drafter.cfg.check_fits(target.cfg)
+        V = target.cfg.vocab_size
+        self.logit_bias = commit(jnp.zeros((V,), jnp.float32) if logit_bias is None
+                                 else jnp.asarray(logit_bias, jnp.float32).reshape(V))
         self.cfg, self.optim_cfg, self.draft_cfg = cfg, optim, drafter.cfg
         self.binders = (ModuleBinder(target), ModuleBinder(drafter))
         self.target_params = commit(cast_floats(ModuleBinder.params(target), cfg.compute_dtype))  # frozen
@@ -271,7 +280,7 @@ class DrafterTrainer:
         key = jax.random.fold_in(s.rng, s.step)
         s.params, s.opt_state, metrics = _train_step(
             self.binders, self.optim_cfg, self.cfg, s.params, s.opt_state, self.target_params,
-            jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"]), key)
+            jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"]), key, self.logit_bias)
         s.step += 1
         s.data_position += 1
         return metrics
@@ -287,7 +296,7 @@ class DrafterTrainer:
             key = jax.random.fold_in(jax.random.PRNGKey(seed), b)
             out.append(jax.device_get(_eval_step(
                 self.binders, self.cfg, self.state.params, self.target_params, jnp.asarray(arrays["tokens"][i:i + batch_size]),
-                jnp.asarray(arrays["loss_mask"][i:i + batch_size]), key)))
+                jnp.asarray(arrays["loss_mask"][i:i + batch_size]), key, self.logit_bias)))
         return {k: float(np.mean([o[k] for o in out])) for k in out[0]}
 
     def drafter(self, dtype: str | None = None) -> DSparkDrafter:

@@ -57,8 +57,10 @@ def target_forward(model: Qwen3, tokens_bt: Array, *, attn_impl: str = "dense", 
     return model.norm(x_btd), [outputs[i] for i in tap_layers]
 
 
-def lm_loss(model: Qwen3, tokens_bt: Array, cfg: TargetTrainConfig) -> tuple[Array, dict]:
-    """Mean next-token CE over positions 0..T-2 of every row."""
+def lm_loss(model: Qwen3, tokens_bt: Array, cfg: TargetTrainConfig,
+            logit_bias_v: Array | None = None) -> tuple[Array, dict]:
+    """Mean next-token CE over positions 0..T-2 of every row. `logit_bias_v` (a compact
+    vocabulary's log multiplicities, jspec.train.vocab) is added to every row's logits."""
     hidden_btd, _ = target_forward(model, tokens_bt, attn_impl=cfg.attn_impl, remat=cfg.remat)
     B, T, D = hidden_btd.shape
     head_vd = model.head_weight()
@@ -67,6 +69,8 @@ def lm_loss(model: Qwen3, tokens_bt: Array, cfg: TargetTrainConfig) -> tuple[Arr
 
     def chunk_terms(r):
         logits_cv = jnp.einsum("cd,vd->cv", r["h"], head_vd, preferred_element_type=jnp.float32)
+        if logit_bias_v is not None:
+            logits_cv = logits_cv + logit_bias_v
         logp_cv = jax.nn.log_softmax(logits_cv, axis=-1)
         nll_c = -jnp.take_along_axis(logp_cv, r["y"][:, None], axis=-1)[:, 0]
         hit_c = (jnp.argmax(logits_cv, -1) == r["y"]).astype(jnp.float32)
@@ -79,31 +83,35 @@ def lm_loss(model: Qwen3, tokens_bt: Array, cfg: TargetTrainConfig) -> tuple[Arr
     return loss, {"loss": loss, "accuracy": sums["hits"] / sums["w"]}
 
 
-def _loss(binder, cfg, params, tokens_bt):
-    return lm_loss(binder.bind(cast_floats(params, cfg.compute_dtype)), tokens_bt, cfg)
+def _loss(binder, cfg, params, tokens_bt, bias_v):
+    return lm_loss(binder.bind(cast_floats(params, cfg.compute_dtype)), tokens_bt, cfg, bias_v)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _train_step(binder, optim_cfg, cfg, params, opt_state, tokens_bt):
-    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binder, cfg, params, tokens_bt)
+def _train_step(binder, optim_cfg, cfg, params, opt_state, tokens_bt, bias_v):
+    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binder, cfg, params, tokens_bt, bias_v)
     updates, opt_state = make_optimizer(optim_cfg).update(grads, opt_state, params)
     metrics["grad_norm"] = global_norm(grads)
     return jax.tree.map(jnp.add, params, updates), opt_state, metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _eval_step(binder, cfg, params, tokens_bt):
-    return _loss(binder, cfg, params, tokens_bt)[1]
+def _eval_step(binder, cfg, params, tokens_bt, bias_v):
+    return _loss(binder, cfg, params, tokens_bt, bias_v)[1]
 
 
 class TargetTrainer:
     """Pre-trains `model` (its arrays, in fp32, become the masters). `train_step(batch)` with
     batch {"tokens": [B, T] int32}; `eval_loss(rows)` for held-out rows. Steps are jitted once
-    per (shapes, configs) and shared by trainers of the same shapes."""
+    per (shapes, configs) and shared by trainers of the same shapes. `logit_bias` [V]: added to
+    the logits (a compact vocabulary's log multiplicities); zeros by default."""
 
     def __init__(self, model: Qwen3, optim: OptimConfig, cfg: TargetTrainConfig = TargetTrainConfig(),
-                 seed: int = 0):
+                 seed: int = 0, logit_bias: np.ndarray | None = None):
         self.cfg, self.optim_cfg = cfg, optim
+        V = model.cfg.vocab_size
+        self.logit_bias = commit(jnp.zeros((V,), jnp.float32) if logit_bias is None
+                                 else jnp.asarray(logit_bias, jnp.float32).reshape(V))
         self.binder = ModuleBinder(model)
         params = commit(cast_floats(self.binder.params(model), jnp.float32))
         self.state = TrainState(params=params, opt_state=commit(make_optimizer(optim).init(params)), step=0,
@@ -112,7 +120,8 @@ class TargetTrainer:
     def train_step(self, batch: dict) -> dict:
         s = self.state
         s.params, s.opt_state, metrics = _train_step(self.binder, self.optim_cfg, self.cfg, s.params,
-                                                     s.opt_state, jnp.asarray(batch["tokens"]))
+                                                     s.opt_state, jnp.asarray(batch["tokens"]),
+                                                     self.logit_bias)
         s.step += 1
         s.data_position += 1
         return metrics
@@ -124,7 +133,7 @@ class TargetTrainer:
         if n == 0:
             raise ValueError(f"{len(rows)} held-out rows cannot fill a batch of {batch_size}")
         totals = [jax.device_get(_eval_step(self.binder, self.cfg, self.state.params,
-                                            jnp.asarray(rows[i:i + batch_size])))
+                                            jnp.asarray(rows[i:i + batch_size]), self.logit_bias))
                   for i in range(0, n, batch_size)]
         return {k: float(np.mean([t[k] for t in totals])) for k in ("loss", "accuracy")}
 
