@@ -234,6 +234,13 @@ def vocab_law(s_hf: dict, n_rows: int, v_dst: int, s_mask: int | None, t_mask: i
 
 # ---- reading S --------------------------------------------------------------------------------
 
+def _sources(*dirs):
+    """Directories as given; the stand-in names (standin, standin-dspark, standin-dflash) give
+    the dequantized compact directories (S's own rows), never the full-vocabulary ones."""
+    from jspec.standin import source_dir
+    return tuple(None if d is None else source_dir(d) for d in dirs)
+
+
 def _read_all(model_dir: Path, expected: dict) -> dict[str, np.ndarray]:
     infos = index_checkpoint(model_dir)
     missing = sorted(set(expected) - set(infos))
@@ -453,6 +460,7 @@ def plan_graft(target: str | Path, draft: str | Path, dflash: str | Path | None 
         raise GraftError(f"dtype {dtype!r} is not one of {', '.join(_ST_DTYPES)}")
     gs = SHAPES[shape]
     np_dtype = _ST_DTYPES[dtype][1]
+    target, draft, dflash = _sources(target, draft, dflash)
     S = _load_target(Path(target))
     s = S.cfg
     drafters = {"dspark": _load_drafter(Path(draft), s, "--draft")}
@@ -717,7 +725,7 @@ def graft(target: str | Path, draft: str | Path, out: str | Path, dflash: str | 
             write_model(d, items, dtype, shard_mib * 2**20 if sub == "target" and shard_mib else None,
                         log)
             (d / "config.json").write_text(json.dumps(hf, indent=2))
-        src = Path(target)
+        src, = _sources(target)
         for name in SIDE_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / "target" / name)
@@ -744,6 +752,7 @@ def check_graft(target: str | Path, out: str | Path, *, length: int = 64, seed: 
 
     from jspec.loading import load_model
     from jspec.qwen3 import forward_logits
+    target, = _sources(target)
     t_cfg, t_model = load_model(Path(out) / "target")
     s_cfg, s_model = load_model(target, dtype=t_cfg.dtype)
     info = json.loads((Path(out) / "target" / "config.json").read_text())["jspec_graft"]
@@ -768,9 +777,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jspec.convert.graft",
                                 description="Graft a small Qwen3 target and its DSpark/DFlash "
                                 "drafters into the Qwen3-8B / DSpark-8B shapes (same law).")
-    p.add_argument("--target", required=True, help="S: small Qwen3 target directory (HF layout)")
-    p.add_argument("--draft", required=True, help="S's DSpark drafter directory (DeepSpec layout)")
-    p.add_argument("--dflash", help="S's DFlash drafter directory (optional)")
+    p.add_argument("--target", required=True, help="S: small Qwen3 target directory (HF layout), "
+                   "or standin (the shipped pair, in its compact form)")
+    p.add_argument("--draft", required=True, help="S's DSpark drafter directory (DeepSpec layout), "
+                   "or standin-dspark")
+    p.add_argument("--dflash", help="S's DFlash drafter directory (optional), or standin-dflash")
     p.add_argument("--out", required=True, help="output directory: target/, dspark/, dflash/")
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_ST_DTYPES))
@@ -795,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             print(json.dumps(check_graft(args.target, args.out)))
         return 0
-    except (GraftError, ConfigError, CheckpointError, FileExistsError) as e:
+    except (GraftError, ConfigError, CheckpointError, FileExistsError, FileNotFoundError) as e:
         print(f"graft: {e}", file=sys.stderr)
         return 2
 

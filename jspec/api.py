@@ -58,7 +58,8 @@ class GenerationResult:
 
 
 class LLM:
-    """A Qwen3 model served by jspec. `model` is a Hugging Face or jspec directory."""
+    """A Qwen3 model served by jspec. `model` is a Hugging Face or jspec directory, or the name
+    `standin` (the shipped stand-in; its drafters are `standin-dspark` and `standin-dflash`)."""
 
     def __init__(self, model: str | Path, *, draft: str | Path | None = None,
                  num_draft_tokens: int | None = None, dtype: str | None = None, max_lanes: int = 8,
@@ -70,7 +71,10 @@ class LLM:
         from jspec.loading import load_drafter, load_model
         from jspec.tokenizer import Tokenizer
 
-        self.model_dir = Path(model)
+        from jspec.standin import resolve_drafter, resolve_model
+        self.model_dir = resolve_model(model)  # a directory, or a stand-in name (jspec.standin)
+        if draft is not None:
+            draft = resolve_drafter(draft)
         self.cfg, model_module = load_model(self.model_dir, dtype=dtype, progress=progress)
         drafter = draft_cfg = None
         if draft is not None:

@@ -60,6 +60,75 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    """Stock and speculative greedy decoding of the same prompts: text, speed, tokens per verify
+    step, and whether the two outputs are token-identical (exit 1 if not: a losslessness bug)."""
+    import json
+    import time
+
+    from jspec.api import LLM, SamplingParams
+    from jspec.standin import demo_prompts, resolve_drafter, resolve_model
+    from jspec.tokenizer import Tokenizer
+
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    texts = _read_prompt_file(args.prompts) if args.prompts else demo_prompts()
+    if not texts or not all(texts):
+        raise ValueError("the prompts must be non-empty")
+    model, draft = resolve_model(args.model), resolve_drafter(args.draft)
+    tokenizer = Tokenizer.from_dir(model)
+    prompts = [tokenizer.encode(t) for t in texts]
+    page = 16
+    # Small engine knobs: a few lanes, a page pool just big enough for these prompts.
+    knobs = dict(max_lanes=min(len(prompts), 4), page_size=page, prefill_chunk=128,
+                 max_context=-(-(max(map(len, prompts)) + args.max_tokens + 16) // page) * page)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=0)
+    log = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def run(what, llm):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, seed=0))  # compile
+        start = time.perf_counter()
+        results = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        log(f"{what}: {sum(len(r.token_ids) for r in results)} tokens in {seconds:.2f} s")
+        return results, seconds
+
+    log(f"loading {args.model} ({model})")
+    stock, stock_s = run("stock", LLM(model, **knobs))
+    log(f"loading {args.model} + {args.draft} ({draft})")
+    spec, spec_s = run("speculative", LLM(model, draft=draft,
+                                          num_draft_tokens=args.num_draft_tokens, **knobs))
+    n_stock = sum(len(r.token_ids) for r in stock)
+    n_spec = sum(len(r.token_ids) for r in spec)
+    # Verify steps per request: its tokens / its mean tokens per step; overall = tokens / steps.
+    steps = sum(len(r.token_ids) / r.tokens_per_step for r in spec if r.tokens_per_step)
+    matches = [a.token_ids == b.token_ids for a, b in zip(stock, spec)]
+    summary = {"model": str(args.model), "draft": str(args.draft), "max_tokens": args.max_tokens,
+               "stock_tokens_per_s": n_stock / stock_s, "spec_tokens_per_s": n_spec / spec_s,
+               "speedup": (n_spec / spec_s) / (n_stock / stock_s),
+               "tokens_per_step": n_spec / steps if steps else None,
+               "greedy_match": all(matches)}
+    if args.json:
+        for text, a, b, same in zip(texts, stock, spec, matches):
+            print(json.dumps({"prompt": text, "text": b.text, "token_ids": b.token_ids,
+                              "stock_token_ids": a.token_ids, "match": same,
+                              "tokens_per_step": b.tokens_per_step}), flush=True)
+        print(json.dumps(summary), flush=True)
+    else:
+        for i, (text, a, b, same) in enumerate(zip(texts, stock, spec, matches)):
+            tps = f"{b.tokens_per_step:.2f}" if b.tokens_per_step else "-"
+            print(f"=== prompt {i} ({len(b.token_ids)} tokens, {tps} tokens per verify step, "
+                  f"{'identical to stock' if same else 'DIFFERS FROM STOCK'})")
+            print(text + b.text, flush=True)
+        print(f"=== stock {summary['stock_tokens_per_s']:.1f} tokens/s, speculative "
+              f"{summary['spec_tokens_per_s']:.1f} tokens/s ({summary['speedup']:.2f}x), "
+              f"{summary['tokens_per_step'] or 0:.2f} tokens per verify step")
+        print("greedy outputs match token for token" if all(matches) else
+              f"greedy outputs DIFFER for prompt(s) {[i for i, m in enumerate(matches) if not m]}: "
+              "speculative decoding was not lossless")
+    return 0 if all(matches) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jspec", description="Lossless DSpark speculative "
                                      "decoding for Qwen3 in JAX")
@@ -75,8 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("generate", help="generate text for prompts")
-    p.add_argument("--model", required=True, help="model directory (Hugging Face or jspec)")
-    p.add_argument("--draft", help="DSpark / DFlash drafter directory: speculative decoding")
+    p.add_argument("--model", required=True, help="model directory (Hugging Face or jspec), or "
+                   "standin (the shipped stand-in)")
+    p.add_argument("--draft", help="DSpark / DFlash drafter directory (or standin-dspark, "
+                   "standin-dflash): speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, help="tokens proposed per step (default: "
                    "the drafter's block size)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
@@ -97,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jspec.bench.run import add_bench_parser
     add_bench_parser(sub)
+
+    p = sub.add_parser("demo", help="the shipped stand-in: stock vs speculative greedy decoding of "
+                       "three HumanEval prompts, speed and token-for-token match")
+    p.add_argument("--model", default="standin", help="target (default: standin)")
+    p.add_argument("--draft", default="standin-dspark", help="drafter (default: standin-dspark; "
+                   "standin-dflash is the DFlash ablation)")
+    p.add_argument("--prompts", help="JSONL file of {\"turns\": [...]} records (first turn used; "
+                   "default: HumanEval/0, /2, /4)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-draft-tokens", type=int, help="tokens proposed per step (default: "
+                   "the drafter's block size)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, then a summary")
+    p.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -28,7 +28,10 @@ def is_jspec_dir(model_dir: str | Path) -> bool:
 
 
 def check_model_dir(model_dir: str | Path) -> Path:
-    path = Path(model_dir)
+    """The directory itself; a stand-in name (`standin`, `standin-dspark`, ...) is built once
+    into the cache and its directory returned (jspec.standin)."""
+    from jspec.standin import resolve
+    path = resolve(model_dir)
     if not path.is_dir():
         raise ConfigError(f"model directory {str(model_dir)!r} does not exist")
     if not (path / "config.json").is_file():

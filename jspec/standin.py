@@ -210,6 +210,8 @@ def _pack_one(src: Path, dst: Path, kind: str, pow2: bool) -> list[dict]:
     (dst / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     if (src / GENERATION_CONFIG).is_file():
         shutil.copy2(src / GENERATION_CONFIG, dst / GENERATION_CONFIG)
+    for f in dst.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; package data is world-readable
     return report
 
 

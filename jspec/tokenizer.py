@@ -260,7 +260,8 @@ class Tokenizer:
         """Load model_dir/tokenizer.json; EOS from generation_config.json, else config.json."""
         from tokenizers import Tokenizer as _HFTokenizer
 
-        d = Path(model_dir)
+        from jspec.standin import resolve
+        d = resolve(model_dir)  # a stand-in name builds its directory (jspec.standin)
         path = d / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(

@@ -55,8 +55,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="SpecScore and the lossless gate: stock vs speculative "
                               "on solo / team / busy (protocol.md)")
-    p.add_argument("--model", required=True, help="target directory (Hugging Face or jspec)")
-    p.add_argument("--draft", required=True, help="DSpark / DFlash drafter directory")
+    p.add_argument("--model", required=True, help="target directory (Hugging Face or jspec), "
+                   "or standin")
+    p.add_argument("--draft", required=True, help="DSpark / DFlash drafter directory, or "
+                   "standin-dspark / standin-dflash")
     p.add_argument("--out", required=True, help="output directory: bench.json, bench.md, "
                    "bench.png, parts/")
     p.add_argument("--workloads", default="solo,team,busy",
@@ -86,7 +88,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def command_line(args) -> str:
     """The invocation, every option explicit, so the record says exactly how to reproduce it."""
-    words = ["jspec", "bench", "--model", str(args.model), "--draft", str(args.draft), "--out",
+    model, draft = getattr(args, "given", (args.model, args.draft))  # as typed (names too)
+    words = ["jspec", "bench", "--model", str(model), "--draft", str(draft), "--out",
              str(args.out), "--workloads", args.workloads, "--sampling", args.sampling]
     if args.quick:
         words.append("--quick")
@@ -108,6 +111,9 @@ def cmd_bench(args) -> int:
     for flag in ("page_size", "prefill_chunk", "stock_decode_steps", "spec_decode_steps"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    from jspec.standin import resolve_drafter, resolve_model
+    args.given = (args.model, args.draft)
+    args.model, args.draft = str(resolve_model(args.model)), str(resolve_drafter(args.draft))
     bench = Bench(args, names)
     record = bench.run()
     print(summary_text(record))
