@@ -24,10 +24,14 @@ the engine, and rerun with --replies FILE --eval-replies FILE (JSONL lines
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -41,13 +45,22 @@ TOY = dict(tokenizer="train:512", hidden=64, layers=5, heads=4, kv_heads=2, head
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", required=True, help="directory of .py files")
+    ap.add_argument("--corpus", required=True, action="append",
+                    help="directory of .py files (repeatable: several roots form one corpus)")
+    ap.add_argument("--max-corpus-bytes", type=int, default=0,
+                    help="take files (deduplicated by content, in path order) up to this many bytes; 0 = all")
     ap.add_argument("--out", required=True)
     ap.add_argument("--toy", action="store_true", help="tiny shapes and steps for a CPU run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", default="qwen3",
                     help="'qwen3' (the shipped Qwen3 vocabulary), 'train:N' (a BPE of N ids trained "
                          "on the corpus, for toy runs) or a directory with tokenizer.json")
+    ap.add_argument("--compact-rows", type=int, default=None,
+                    help="vocabulary rows of S with --tokenizer qwen3 (the most frequent corpus ids; "
+                         "the rest share one row, jspec.train.vocab); default 24576, 0 = the full table")
+    ap.add_argument("--chat-tasks", type=int, default=60000,
+                    help="chat-form function tasks (signature + docstring -> function) added to "
+                         "the pre-training documents (qwen3 tokenizer only)")
     g = ap.add_argument_group("target S")
     g.add_argument("--hidden", type=int, default=1024)
     g.add_argument("--layers", type=int, default=12)
@@ -73,7 +86,13 @@ def parse_args(argv=None):
     g.add_argument("--prompt-min", type=int, default=64)
     g.add_argument("--prompt-max", type=int, default=1024)
     g.add_argument("--reply-tokens", type=int, default=1024)
-    g.add_argument("--reply-temperature", type=float, default=1.0)
+    g.add_argument("--reply-temperature", type=float, default=0.7)
+    g.add_argument("--reply-top-p", type=float, default=0.8)
+    g.add_argument("--reply-top-k", type=int, default=20)
+    g.add_argument("--engine-replies", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample replies with the jspec engine on the expanded S (default: on with "
+                        "the qwen3 tokenizer; off: a plain no-cache loop, fine at toy size)")
+    g.add_argument("--reply-lanes", type=int, default=128)
     g.add_argument("--reply-batch", type=int, default=32)
     g = ap.add_argument_group("drafters (DSpark and the DFlash ablation, same budget)")
     g.add_argument("--draft-seq-len", type=int, default=2048)
@@ -86,7 +105,16 @@ def parse_args(argv=None):
     g.add_argument("--draft-steps", type=int, default=3000)
     g.add_argument("--draft-lr", type=float, default=6e-4)
     g.add_argument("--skip-dflash", action="store_true")
+    g.add_argument("--eval-prompts-dir",
+                   help="directory with humaneval.jsonl / mbpp.jsonl: tokens per verify step of both "
+                        "drafters through the engine at T = 1 and greedy (measurement only)")
+    g.add_argument("--eval-max-tokens", type=int, default=256)
+    g.add_argument("--eval-limit", type=int, default=0, help="first N prompts of each set (0 = all)")
     g = ap.add_argument_group("run")
+    g.add_argument("--target-minutes", type=float, default=0, help="time box for pre-training (0 = none)")
+    g.add_argument("--draft-minutes", type=float, default=0, help="time box per drafter (0 = none)")
+    g.add_argument("--stop-after-replies", action="store_true",
+                   help="stop once S and its replies exist (a first GPU call); rerun to go on")
     g.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--attn", default="dense", choices=["dense", "cudnn"],
@@ -109,15 +137,34 @@ def log(msg):
 
 
 def stage_corpus(args, out: Path) -> list[str]:
-    from jspec.train.data import corpus_manifest, gather_corpus, read_texts
-    files = gather_corpus(args.corpus)
+    """Texts of the corpus files (deduplicated by content; up to --max-corpus-bytes), with the
+    manifest written to OUT/manifest.json."""
+    import hashlib
+    from jspec.train.data import gather_corpus
+    files, seen, total, entries, digest = [], set(), 0, [], hashlib.sha256()
+    for root in args.corpus:
+        for path in gather_corpus(root):
+            data = path.read_bytes()
+            h = hashlib.sha256(data).hexdigest()
+            if h in seen or not data.strip():
+                continue
+            if args.max_corpus_bytes and total + len(data) > args.max_corpus_bytes:
+                break
+            seen.add(h)
+            total += len(data)
+            rel = f"{root.rstrip('/')}/{path.relative_to(root).as_posix()}"
+            entries.append({"path": rel, "bytes": len(data), "sha256": h})
+            digest.update(f"{rel}\0{h}\n".encode())
+            files.append(data.decode("utf-8", errors="replace"))
     if not files:
         raise SystemExit(f"no .py files under {args.corpus}")
-    manifest = corpus_manifest(args.corpus, files)
+    manifest = {"roots": args.corpus, "file_count": len(entries), "total_bytes": total,
+                "sha256": digest.hexdigest(), "max_corpus_bytes": args.max_corpus_bytes,
+                "dedup": "sha256 of content", "files": entries}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     args.corpus_sha256 = manifest["sha256"]
-    log(f"corpus: {manifest['file_count']} files, {manifest['total_bytes']:,} bytes, sha256 {manifest['sha256'][:16]}")
-    return read_texts(files)
+    log(f"corpus: {len(entries)} files, {total:,} bytes, sha256 {manifest['sha256'][:16]}")
+    return files
 
 
 def stage_tokenizer(args, out: Path, texts: list[str]):
@@ -156,20 +203,40 @@ def _train_bpe(texts, vocab_size, tok_dir: Path):
     (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
 
 
-def stage_target(args, out: Path, target_cfg, docs, tok_dir, eos_ids):
-    """Pre-train S (resuming from checkpoints) and export it; returns (model, held-out loss)."""
+def split_files(texts, args):
+    """(train texts, held-out texts), by whole files."""
+    from jspec.train.data import split_documents
+    idx = list(range(len(texts)))
+    train_idx, held_idx = split_documents([[i] for i in idx], args.heldout_fraction, args.seed)
+    return [texts[i[0]] for i in train_idx], [texts[i[0]] for i in held_idx]
+
+
+def chat_tasks(texts, tok, limit: int, seed: int, with_answers: bool) -> list[str]:
+    """Up to `limit` chat-form function tasks from the files, in a seeded random order."""
+    import numpy as np
+    from jspec.train.data import INSTRUCTIONS, chat_task_text, function_tasks
+    rng = np.random.default_rng(seed)
+    tasks = [t for text in texts for t in function_tasks(text)]
+    order = rng.permutation(len(tasks))[:limit]
+    return [chat_task_text(tok, tasks[i][0], tasks[i][1] if with_answers else None,
+                           INSTRUCTIONS[int(rng.integers(len(INSTRUCTIONS)))]) for i in order]
+
+
+def stage_target(args, out: Path, target_cfg, train_docs, held_docs, tok_dir, eos_ids, vocab):
+    """Pre-train S (resuming from checkpoints) and export it; returns (model, held-out loss).
+    With a compact vocabulary the documents are already rows and the loss carries the rows'
+    log multiplicities; the export's config.json names the vocabulary (jspec_* keys)."""
     from jspec.loading import load_model
     from jspec.qwen3 import init_random
     from jspec.train import OptimConfig
     from jspec.train.checkpointing import CheckpointManager, LossLog, export_target, fit, resume
-    from jspec.train.data import batch_source, pack_documents, split_documents
+    from jspec.train.data import batch_source, pack_documents
     from jspec.train.target import TargetTrainConfig, TargetTrainer
 
-    train_docs, held_docs = split_documents(docs, args.heldout_fraction, args.seed)
     export = out / "target"
     if (export / "config.json").is_file():
         log(f"target: {export} exists, skipping pre-training")
-        return load_model(export)[1], None, train_docs, held_docs
+        return load_model(export)[1], None
     rows = pack_documents(train_docs, args.seq_len, args.sep_id)
     held = pack_documents(held_docs, args.seq_len, args.sep_id)[:args.eval_rows]
     log(f"target: {len(rows)} rows x {args.seq_len} tokens for training, {len(held)} held out")
@@ -178,7 +245,8 @@ def stage_target(args, out: Path, target_cfg, docs, tok_dir, eos_ids):
         init_random(target_cfg, seed=args.seed),
         OptimConfig(args.target_steps, lr=args.target_lr, weight_decay=0.1, b2=0.95),
         TargetTrainConfig(compute_dtype=args.compute_dtype, attn_impl=args.attn, remat=args.remat,
-                          loss_chunk=args.loss_chunk), seed=args.seed)
+                          loss_chunk=args.loss_chunk), seed=args.seed,
+        logit_bias=None if vocab is None else vocab.log_multiplicity())
     manager = CheckpointManager(out / "ckpt" / "target")
     run_id = {"corpus_sha256": args.corpus_sha256, "tokens": int(rows.size)}
     if resume(trainer, manager, expect=run_id) is not None:
@@ -189,39 +257,66 @@ def stage_target(args, out: Path, target_cfg, docs, tok_dir, eos_ids):
     fit(trainer, batch_source({"tokens": rows}, args.batch, args.seed), args.target_steps,
         manager=manager, ckpt_every=args.ckpt_every, log=loss_log, eval_fn=evaluate,
         eval_every=args.eval_every, log_every=args.log_every, progress=not args.quiet, desc="target",
-        ckpt_extra=run_id)
+        ckpt_extra=run_id, deadline=t0 + 60 * args.target_minutes if args.target_minutes else None)
     held_loss = evaluate() if evaluate else None
-    if held_loss and args.target_steps % args.eval_every:
+    if held_loss:
         loss_log.write({"step": trainer.state.step, **{f"eval_{k}": v for k, v in held_loss.items()}})
     loss_log.close()
-    log(f"target: {time.time() - t0:.0f} s, held-out {held_loss}")
+    log(f"target: {time.time() - t0:.0f} s, {trainer.state.step} steps, held-out {held_loss}")
     export_target(trainer.model(), export, dtype=args.export_dtype, eos_ids=eos_ids, tokenizer_dir=tok_dir)
+    if vocab is not None:
+        hf = json.loads((export / "config.json").read_text())
+        hf.update(vocab.hf_keys())
+        (export / "config.json").write_text(json.dumps(hf, indent=2))
+    (out / "target_heldout.json").write_text(json.dumps({"heldout": held_loss, "steps": trainer.state.step}))
     log(f"target: exported to {export}")
-    return load_model(export)[1], held_loss, train_docs, held_docs
+    return load_model(export)[1], held_loss
 
 
-def stage_prompts(args, out: Path, train_docs, held_docs):
-    """Training prompts (windows of training documents) and held-out prompts (windows of
-    held-out documents, or training ones when those are too short), written once."""
+def stage_prompts(args, out: Path, tok, train_texts, held_texts, train_docs, held_docs):
+    """Training prompts (half chat-form function tasks of training files, half windows of
+    training documents) and held-out prompts (chat tasks of held-out files, else windows of
+    held-out documents), as ids of the tokenizer, written once."""
     from jspec.train.data import make_prompts
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     sets = {}
-    for name, docs, n in (("prompts", train_docs, args.prompts), ("prompts_eval", held_docs, args.eval_prompts)):
+    for name, texts, docs, n in (("prompts", train_texts, train_docs, args.prompts),
+                                 ("prompts_eval", held_texts, held_docs, args.eval_prompts)):
         path = data / f"{name}.jsonl"
         if path.is_file():
             sets[name] = [json.loads(line)["prompt_ids"] for line in path.read_text().splitlines() if line]
             continue
+        prompts = []
+        if args.tokenizer == "qwen3":
+            chats = chat_tasks(texts, tok, n // 2 if name == "prompts" else n, args.seed + 7 + len(name), False)
+            prompts = [ids for ids in tok.encode_batch(chats) if len(ids) <= args.prompt_max]
         try:
-            prompts = make_prompts(docs, n, args.prompt_min, args.prompt_max, args.seed + len(name))
+            prompts += make_prompts(docs, n - len(prompts), args.prompt_min, args.prompt_max, args.seed + len(name))
         except ValueError:
-            prompts = make_prompts(train_docs, n, args.prompt_min, args.prompt_max, args.seed + len(name))
-        path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+            prompts += make_prompts(train_docs, n - len(prompts), args.prompt_min, args.prompt_max,
+                                    args.seed + len(name))
+        path.write_text("".join(json.dumps({"prompt_ids": list(map(int, p))}) + "\n" for p in prompts))
         sets[name] = prompts
     return sets["prompts"], sets["prompts_eval"]
 
 
-def stage_replies(args, out: Path, model, prompts, eos_ids):
+def engine_replies(full_dir: Path, prompts, args, temperature: float) -> list[list[int]]:
+    """S's replies through the jspec engine on the expanded (full-vocabulary) S: the law the
+    graft serves. Per-request seeds; top-p / top-k only when sampling."""
+    from jspec.api import LLM, SamplingParams
+    longest = max(map(len, prompts)) + args.reply_tokens
+    llm = LLM(full_dir, dtype=args.compute_dtype, max_lanes=args.reply_lanes,
+              max_context=-(-longest // 64) * 64, prefill_chunk=512, attn_impl="auto")
+    sp = [SamplingParams(temperature=temperature, top_p=args.reply_top_p if temperature else 1.0,
+                         top_k=args.reply_top_k if temperature else 0, seed=args.seed * 100003 + i,
+                         max_tokens=args.reply_tokens) for i in range(len(prompts))]
+    return [r.token_ids for r in llm.generate([list(p) for p in prompts], sp)]
+
+
+def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | None):
+    """Replies to the training prompts (sampled: T, top-p, top-k of --reply-*) and to the held-out
+    prompts (greedy), as ids of the tokenizer (full ids with the qwen3 tokenizer)."""
     from jspec.train.data import read_replies, write_replies
     from jspec.train.drafter import sample_replies
     sets = {}
@@ -233,11 +328,14 @@ def stage_replies(args, out: Path, model, prompts, eos_ids):
             sets[name] = read_replies(given)
         elif path.is_file():
             sets[name] = read_replies(path)
-        else:  # a plain loop without a KV cache: fine at toy size, slow at 4k context
+        else:
             t0 = time.time()
-            replies = sample_replies(model, prompt_set, args.reply_tokens, temperature=temperature,
-                                     seed=args.seed, eos_ids=eos_ids, batch_size=args.reply_batch,
-                                     progress=not args.quiet)
+            if full_dir is not None:
+                replies = engine_replies(full_dir, prompt_set, args, temperature)
+            else:  # a plain loop without a KV cache: fine at toy size, slow at 4k context
+                replies = sample_replies(model, prompt_set, args.reply_tokens, temperature=temperature,
+                                         seed=args.seed, eos_ids=eos_ids, batch_size=args.reply_batch,
+                                         progress=not args.quiet)
             write_replies(path, prompt_set, replies)
             log(f"{name}: {len(prompt_set)} replies, {sum(map(len, replies)):,} tokens, "
                 f"T = {temperature}, {time.time() - t0:.0f} s")
@@ -245,7 +343,7 @@ def stage_replies(args, out: Path, model, prompts, eos_ids):
     return sets["replies"], sets["replies_eval"]
 
 
-def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held):
+def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held, vocab):
     from jspec.dspark import init_random_drafter
     from jspec.train import OptimConfig
     from jspec.train.checkpointing import CheckpointManager, LossLog, export_drafter, fit, resume
@@ -260,7 +358,7 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
         model, init_random_drafter(dcfg, seed=args.seed + 1), OptimConfig(args.draft_steps, lr=args.draft_lr),
         DrafterTrainConfig(num_anchors=args.anchors, loss=loss_cfg, compute_dtype=args.compute_dtype,
                            target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk),
-        seed=args.seed)
+        seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
     eval_batch = min(args.draft_batch, len(held["tokens"]))
     evaluate = lambda: trainer.evaluate(held, eval_batch)
     before = evaluate()
@@ -272,50 +370,165 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     t0 = time.time()
     fit(trainer, batch_source(train, args.draft_batch, args.seed), args.draft_steps, manager=manager,
         ckpt_every=args.ckpt_every, log=loss_log, eval_fn=evaluate, eval_every=args.eval_every,
-        log_every=args.log_every, progress=not args.quiet, desc=name, ckpt_extra=run_id)
+        log_every=args.log_every, progress=not args.quiet, desc=name, ckpt_extra=run_id,
+        deadline=t0 + 60 * args.draft_minutes if args.draft_minutes else None)
     after = evaluate()
-    if args.draft_steps % args.eval_every:
-        loss_log.write({"step": trainer.state.step, **{f"eval_{k}": v for k, v in after.items()}})
+    loss_log.write({"step": trainer.state.step, **{f"eval_{k}": v for k, v in after.items()}})
     loss_log.close()
-    log(f"{name}: {time.time() - t0:.0f} s; held-out tau_greedy {before['tau_greedy']:.2f} -> "
-        f"{after['tau_greedy']:.2f}, tau_prob {before['tau_prob']:.2f} -> {after['tau_prob']:.2f}, "
-        f"L1 {before['l1']:.3f} -> {after['l1']:.3f}")
-    export_drafter(trainer.drafter(), model, export, dtype=args.export_dtype)
+    log(f"{name}: {time.time() - t0:.0f} s, {trainer.state.step} steps; held-out tau_greedy "
+        f"{before['tau_greedy']:.2f} -> {after['tau_greedy']:.2f}, tau_prob {before['tau_prob']:.2f} -> "
+        f"{after['tau_prob']:.2f}, L1 {before['l1']:.3f} -> {after['l1']:.3f}")
+    export_drafter(trainer.drafter(), None if vocab is not None else model, export, dtype=args.export_dtype)
     log(f"{name}: exported to {export}")
-    return {"untrained": before, "trained": after}
+    return {"untrained": before, "trained": after, "steps": trainer.state.step}
+
+
+def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Path]) -> dict:
+    """Tokens per verify step of each drafter through the engine on the humaneval + mbpp first
+    turns (chat template), at T = 1 and greedy; greedy outputs checked against stock."""
+    from jspec.api import LLM, SamplingParams
+    from jspec.prompts import load_prompts
+    from jspec.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(full_target)
+    texts = [r.first_turn for s in ("humaneval", "mbpp")
+             for r in load_prompts(Path(args.eval_prompts_dir) / f"{s}.jsonl", limit=args.eval_limit or None)]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    ctx = -(-(max(map(len, prompts)) + args.eval_max_tokens + 16) // 64) * 64
+    kw = dict(dtype="float32", max_lanes=64, max_context=ctx, prefill_chunk=512)
+    stock = LLM(full_target, **kw)
+    greedy_ref = [r.token_ids for r in stock.generate(prompts, SamplingParams(temperature=0, max_tokens=args.eval_max_tokens))]
+    result = {"prompts": len(prompts), "max_tokens": args.eval_max_tokens, "dtype": "float32"}
+    for name, d in drafters.items():
+        llm = LLM(full_target, draft=d, **kw)
+        for label, sp in (("t1", SamplingParams(temperature=1.0, seed=0, max_tokens=args.eval_max_tokens)),
+                          ("greedy", SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens))):
+            res = llm.generate(prompts, [dataclasses.replace(sp, seed=i) for i in range(len(prompts))])
+            tokens = sum(len(r.token_ids) for r in res)
+            steps = sum(len(r.token_ids) / r.tokens_per_step for r in res if r.tokens_per_step)
+            rec = {"tokens_per_step": tokens / steps, "tokens": tokens,
+                   "mean_per_request": sum(r.tokens_per_step for r in res) / len(res)}
+            if label == "greedy":
+                rec["greedy_match"] = sum(r.token_ids == g for r, g in zip(res, greedy_ref)) / len(res)
+            result[f"{name}_{label}"] = rec
+            log(f"eval {name} {label}: tokens per verify step {rec['tokens_per_step']:.3f}"
+                + (f", greedy match {rec['greedy_match']:.3f}" if "greedy_match" in rec else ""))
+    (out / "engine_eval.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def main(argv=None):
     args = parse_args(argv)
     from jspec.config import Qwen3Config
-    from jspec.train.data import reply_arrays, tokenize_documents
-    from jspec.train.drafter import DFLASH_LOSS, DSPARK_LOSS, drafter_config
+    from jspec.train.data import tokenize_documents
+    from jspec.train.vocab import build_compact_vocab, coverage
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    qwen3 = args.tokenizer == "qwen3"
+    if args.compact_rows is None:
+        args.compact_rows = 24576 if qwen3 else 0
+    if args.engine_replies is None:
+        args.engine_replies = qwen3
+    if light_resume(args, out):  # S and its replies exist: the corpus is not needed again
+        return drafter_stages(args, out, *light_state(args, out))
     texts = stage_corpus(args, out)
-    tok, tok_dir, vocab, args.sep_id, mask_id = stage_tokenizer(args, out, texts)
+    tok, tok_dir, vocab_size, args.sep_id, mask_id = stage_tokenizer(args, out, texts)
+    train_texts, held_texts = split_files(texts, args)
     t0 = time.time()
-    docs = tokenize_documents(texts, tok)
-    log(f"tokenized: {len(docs)} documents, {sum(map(len, docs)):,} tokens, {time.time() - t0:.0f} s")
-    eos_ids = list(tok.eos_ids) if args.tokenizer == "qwen3" else [args.sep_id]
-    target_cfg = Qwen3Config(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+    train_docs, held_docs = tokenize_documents(train_texts, tok), tokenize_documents(held_texts, tok)
+    if qwen3 and args.chat_tasks:
+        chats = chat_tasks(train_texts, tok, args.chat_tasks, args.seed, True)
+        train_docs += tokenize_documents(chats, tok)
+        held_docs += tokenize_documents(chat_tasks(held_texts, tok, max(1, args.chat_tasks // 100), args.seed, True), tok)
+        log(f"chat tasks: {len(chats)} in training")
+    log(f"tokenized: {len(train_docs)} + {len(held_docs)} held-out documents, "
+        f"{sum(map(len, train_docs)):,} training tokens, {time.time() - t0:.0f} s")
+    eos_ids = list(tok.eos_ids) if qwen3 else [args.sep_id]
+    vocab = None
+    rows_of = lambda docs: docs
+    full_sep = args.sep_id
+    if args.compact_rows:
+        vocab = build_compact_vocab(train_docs, args.compact_rows)
+        log(f"compact vocabulary: {vocab.rows} rows, training coverage {coverage(vocab, train_docs):.4f}, "
+            f"held-out {coverage(vocab, held_docs):.4f}")
+        sigma = vocab.law()[0]
+        rows_of = lambda docs: [sigma[np.asarray(d, np.int64)].astype(np.int32).tolist() for d in docs]
+        vocab_size, mask_id, args.sep_id = vocab.rows, vocab.mask_row, int(sigma[args.sep_id])
+    target_cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.ffn,
                              num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                              head_dim=args.head_dim, max_position_embeddings=max(40960, args.seq_len),
-                             tie_word_embeddings=False, dtype="float32")
-    model, held_loss, train_docs, held_docs = stage_target(args, out, target_cfg, docs, tok_dir, eos_ids)
-
-    prompts = stage_prompts(args, out, train_docs, held_docs)
+                             tie_word_embeddings=bool(args.compact_rows), dtype="float32")
+    model, held_loss = stage_target(args, out, target_cfg, rows_of(train_docs), rows_of(held_docs),
+                                    tok_dir, eos_ids, vocab)
+    prompts = stage_prompts(args, out, tok, train_texts, held_texts, train_docs, held_docs)
     if args.only_target:
         log(f"--only-target: S is in {out / 'target'}; prompts in {out / 'data'}")
         return
-    train_pr, eval_pr = stage_replies(args, out, model, prompts, [args.sep_id] + eos_ids)
-    train = reply_arrays(*train_pr, args.draft_seq_len, pad_id=args.sep_id)
-    held = reply_arrays(*eval_pr, args.draft_seq_len, pad_id=args.sep_id)
+    full_dir = None
+    if args.engine_replies:
+        from jspec.convert.expand_vocab import expand_target
+        full_dir = out / "full" / "target"
+        if not (full_dir / "config.json").is_file():
+            expand_target(out / "target", full_dir) if vocab else shutil.copytree(out / "target", full_dir)
+    train_pr, eval_pr = stage_replies(args, out, model, prompts, [full_sep] + eos_ids, full_dir)
+    if args.stop_after_replies:
+        log("--stop-after-replies: done")
+        return
+    drafter_stages(args, out, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr,
+                   {"config": target_cfg.to_hf_dict(), "heldout": held_loss})
+
+
+def light_resume(args, out: Path) -> bool:
+    data = out / "data"
+    return ((out / "target" / "config.json").is_file() and (out / "manifest.json").is_file()
+            and (data / "replies.jsonl").is_file() and (data / "replies_eval.jsonl").is_file())
+
+
+def light_state(args, out: Path):
+    """What the drafter stages need, from OUT alone (after a first call that stopped after the
+    replies): S, its vocabulary, the replies."""
+    from jspec.loading import load_model
+    from jspec.tokenizer import Tokenizer
+    from jspec.train.data import read_replies
+    from jspec.train.vocab import CompactVocab
+    args.corpus_sha256 = json.loads((out / "manifest.json").read_text())["sha256"]
+    hf = json.loads((out / "target" / "config.json").read_text())
+    tok = Tokenizer.from_dir(out / "target")
+    sep = tok.token_to_id("<|endoftext|>")
+    target_cfg, model = load_model(out / "target", dtype="float32")
+    vocab, mask_id, full_dir = None, target_cfg.vocab_size - 1, None
+    args.sep_id = sep
+    if "jspec_shared_row" in hf:
+        vocab = CompactVocab.from_hf(hf, mask_row=target_cfg.vocab_size - 1)
+        mask_id = vocab.mask_row
+        args.sep_id = int(vocab.law()[0][sep])
+    elif args.tokenizer != "qwen3":
+        mask_id = tok.vocab_size
+    if args.engine_replies or args.engine_replies is None and args.tokenizer == "qwen3":
+        full_dir = out / "full" / "target"
+    held = (out / "target_heldout.json")
+    log(f"resuming from {out}: S, its vocabulary and replies (corpus not re-read)")
+    return (target_cfg, model, vocab, mask_id, full_dir, read_replies(out / "data" / "replies.jsonl"),
+            read_replies(out / "data" / "replies_eval.jsonl"),
+            {"config": target_cfg.to_hf_dict(),
+             "heldout": json.loads(held.read_text())["heldout"] if held.is_file() else None})
+
+
+def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr,
+                   target_summary):
+    from jspec.train.data import reply_arrays
+    from jspec.train.drafter import DFLASH_LOSS, DSPARK_LOSS, drafter_config
+    rows_of = lambda docs: docs
+    if vocab is not None:
+        sigma = vocab.law()[0]
+        rows_of = lambda docs: [sigma[np.asarray(d, np.int64)].astype(np.int32).tolist() for d in docs]
+    train = reply_arrays(rows_of(train_pr[0]), rows_of(train_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
+    held = reply_arrays(rows_of(eval_pr[0]), rows_of(eval_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
     log(f"drafter data: {len(train['tokens'])} training sequences, {int(train['loss_mask'].sum()):,} reply tokens")
 
     taps = tuple(int(i) for i in args.tap_layers.split(",")) if args.tap_layers else None
-    summary = {"target": {"config": target_cfg.to_hf_dict(), "heldout": held_loss}}
+    summary = {"target": target_summary}
+    drafter_dirs = {}
     for name, dflash, loss in (("dspark", False, DSPARK_LOSS), ("dflash", True, DFLASH_LOSS)):
         if dflash and args.skip_dflash:
             continue
@@ -323,7 +536,17 @@ def main(argv=None):
                               block_size=args.block_size, tap_layers=taps,
                               markov_rank=args.markov_rank, dflash=dflash)
         summary[name] = {"config": dcfg.to_hf_dict(),
-                         "metrics": stage_drafter(args, out, name, model, dcfg, loss, train, held)}
+                         "metrics": stage_drafter(args, out, name, model, dcfg, loss, train, held, vocab)}
+        drafter_dirs[name] = out / name
+        if full_dir is not None:
+            from jspec.convert.expand_vocab import expand_drafter
+            drafter_dirs[name] = out / "full" / name
+            if vocab is not None:
+                expand_drafter(out / name, drafter_dirs[name], out / "target")
+            elif not drafter_dirs[name].exists():
+                shutil.copytree(out / name, drafter_dirs[name])
+    if args.eval_prompts_dir and full_dir is not None:
+        summary["engine_eval"] = stage_engine_eval(args, out, full_dir, drafter_dirs)
     summary["args"] = vars(args)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     log(f"done: {out}")

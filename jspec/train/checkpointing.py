@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -151,11 +152,12 @@ def fit(trainer, batch_at: Callable[[int], dict], num_steps: int, *,
         manager: CheckpointManager | None = None, ckpt_every: int = 0, log: LossLog | None = None,
         eval_fn: Callable[[], dict] | None = None, eval_every: int = 0, log_every: int = 1,
         progress: bool = True, desc: str = "train", stop_after: int | None = None,
-        ckpt_extra: dict | None = None) -> list[dict]:
+        ckpt_extra: dict | None = None, deadline: float | None = None) -> list[dict]:
     """Run trainer.train_step until trainer.state.step == num_steps (from wherever the state is:
     fresh or resumed). Metrics are fetched every `log_every` steps (fewer host syncs); a
     checkpoint (with `ckpt_extra` in its meta) every `ckpt_every` steps and at the end.
-    `stop_after` simulates an interruption. Returns the records written."""
+    `stop_after` simulates an interruption; at `deadline` (a time.time() value) training stops
+    early with a checkpoint (a time-boxed run on a lent GPU). Returns the records written."""
     from tqdm.auto import tqdm
 
     state = trainer.state
@@ -176,6 +178,12 @@ def fit(trainer, batch_at: Callable[[int], dict], num_steps: int, *,
 
     while trainer.state.step < num_steps:
         if stop_after is not None and trainer.state.step >= stop_after:
+            break
+        if deadline is not None and time.time() >= deadline:
+            flush()
+            if manager:
+                manager.save(trainer.state, ckpt_extra)
+            bar.write(f"{desc}: time budget reached at step {trainer.state.step} of {num_steps}")
             break
         state = trainer.state
         pending.append((state.step + 1, trainer.train_step(batch_at(state.data_position))))

@@ -163,3 +163,61 @@ def read_replies(path: str | Path) -> tuple[list[list[int]], list[list[int]]]:
         prompts.append(rec["prompt_ids"])
         replies.append(rec["reply_ids"])
     return prompts, replies
+
+
+# ---- chat-form code tasks (so the target knows the chat template the benchmarks use) ------------
+
+INSTRUCTIONS = (
+    "Complete the following Python function.",
+    "Implement the function below so that it does what its docstring says.",
+    "Write the body of this Python function:",
+    "Finish this code:",
+    "Here is a function signature with its documentation. Write the implementation.",
+)
+
+
+def function_tasks(text: str, max_chars: int = 4000) -> list[tuple[str, str]]:
+    """(prompt, answer) pairs from one source file: for every `def` whose body opens with a
+    docstring, the prompt is the file's imports plus the signature and docstring, the answer the
+    whole function. Found by indentation, not parsing, so any text works."""
+    lines = text.splitlines()
+    imports = "\n".join(l for l in lines[:80] if l.startswith(("import ", "from "))
+                        and len(l) < 200)[:1500]
+    tasks = []
+    for i, line in enumerate(lines):
+        stripped = line.lstrip()
+        if not stripped.startswith(("def ", "async def ")) or not stripped.rstrip().endswith(":"):
+            continue
+        indent = len(line) - len(stripped)
+        j = i + 1
+        if j >= len(lines) or not lines[j].lstrip().startswith(('"""', "'''", 'r"""')):
+            continue
+        quote = '"""' if '"""' in lines[j] else "'''"
+        k = j if lines[j].count(quote) >= 2 else next(
+            (n for n in range(j + 1, min(len(lines), j + 60)) if quote in lines[n]), None)
+        if k is None:
+            continue
+        end = k + 1
+        while end < len(lines) and (not lines[end].strip() or
+                                    len(lines[end]) - len(lines[end].lstrip()) > indent):
+            end += 1
+        while end > k + 1 and not lines[end - 1].strip():
+            end -= 1
+        if end == k + 1:
+            continue  # nothing after the docstring
+        dedent = lambda ls: "\n".join(l[indent:] if l[:indent].isspace() or not l[:indent] else l for l in ls)
+        head, whole = dedent(lines[i:k + 1]), dedent(lines[i:end])
+        if len(whole) > max_chars:
+            continue
+        tasks.append(((imports + "\n\n\n" if imports else "") + head, whole))
+    return tasks
+
+
+def chat_task_text(tokenizer, prompt_code: str, answer_code: str | None, instruction: str) -> str:
+    """The Qwen3 chat (non-thinking) text of one task: the user turn, and when `answer_code` is
+    given the assistant turn ending in <|im_end|>."""
+    user = f"{instruction}\n```python\n{prompt_code}\n```"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user}])
+    if answer_code is None:
+        return text
+    return text + f"```python\n{answer_code}\n```<|im_end|>\n"
