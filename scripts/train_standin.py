@@ -142,20 +142,20 @@ def stage_corpus(args, out: Path) -> list[str]:
     import hashlib
     from jspec.train.data import gather_corpus
     files, seen, total, entries, digest = [], set(), 0, [], hashlib.sha256()
-    for root in args.corpus:
-        for path in gather_corpus(root):
-            data = path.read_bytes()
-            h = hashlib.sha256(data).hexdigest()
-            if h in seen or not data.strip():
-                continue
-            if args.max_corpus_bytes and total + len(data) > args.max_corpus_bytes:
-                break
-            seen.add(h)
-            total += len(data)
-            rel = f"{root.rstrip('/')}/{path.relative_to(root).as_posix()}"
-            entries.append({"path": rel, "bytes": len(data), "sha256": h})
-            digest.update(f"{rel}\0{h}\n".encode())
-            files.append(data.decode("utf-8", errors="replace"))
+    paths = [(root, p) for root in args.corpus for p in gather_corpus(root)]
+    if args.max_corpus_bytes:  # a seeded random subset, not the alphabetically first packages
+        paths = [paths[i] for i in np.random.default_rng(args.seed).permutation(len(paths))]
+    for root, path in paths:
+        data = path.read_bytes()
+        h = hashlib.sha256(data).hexdigest()
+        if h in seen or not data.strip() or (args.max_corpus_bytes and total + len(data) > args.max_corpus_bytes):
+            continue
+        seen.add(h)
+        total += len(data)
+        rel = f"{root.rstrip('/')}/{path.relative_to(root).as_posix()}"
+        entries.append({"path": rel, "bytes": len(data), "sha256": h})
+        digest.update(f"{rel}\0{h}\n".encode())
+        files.append(data.decode("utf-8", errors="replace"))
     if not files:
         raise SystemExit(f"no .py files under {args.corpus}")
     manifest = {"roots": args.corpus, "file_count": len(entries), "total_bytes": total,
@@ -237,6 +237,9 @@ def stage_target(args, out: Path, target_cfg, train_docs, held_docs, tok_dir, eo
     if (export / "config.json").is_file():
         log(f"target: {export} exists, skipping pre-training")
         return load_model(export)[1], None
+    if args.attn == "cudnn" and not cudnn_attention_works():
+        log("target: cuDNN attention unavailable here; training with dense attention")
+        args.attn = "dense"
     rows = pack_documents(train_docs, args.seq_len, args.sep_id)
     held = pack_documents(held_docs, args.seq_len, args.sep_id)[:args.eval_rows]
     log(f"target: {len(rows)} rows x {args.seq_len} tokens for training, {len(held)} held out")
@@ -271,6 +274,19 @@ def stage_target(args, out: Path, target_cfg, train_docs, held_docs, tok_dir, eo
     (out / "target_heldout.json").write_text(json.dumps({"heldout": held_loss, "steps": trainer.state.step}))
     log(f"target: exported to {export}")
     return load_model(export)[1], held_loss
+
+
+def cudnn_attention_works() -> bool:
+    import jax
+    import jax.numpy as jnp
+    try:
+        x = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+        jax.block_until_ready(jax.jit(lambda q: jax.nn.dot_product_attention(
+            q, q, q, is_causal=True, implementation="cudnn"))(x))
+        return True
+    except Exception as e:  # no GPU, old cuDNN, unsupported shape: say why and fall back
+        log(f"cuDNN attention check failed: {type(e).__name__}: {str(e)[:200]}")
+        return False
 
 
 def stage_prompts(args, out: Path, tok, train_texts, held_texts, train_docs, held_docs):
@@ -518,6 +534,8 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
                    target_summary):
     from jspec.train.data import reply_arrays
     from jspec.train.drafter import DFLASH_LOSS, DSPARK_LOSS, drafter_config
+    if args.attn == "cudnn" and not cudnn_attention_works():
+        args.attn = "dense"
     rows_of = lambda docs: docs
     if vocab is not None:
         sigma = vocab.law()[0]
