@@ -22,14 +22,17 @@ dspark/, dflash/), each holding
                              `<key>.scale` bfloat16 [rows]; every 1-D tensor as `<key>` bfloat16
     generation_config.json   EOS ids (Qwen3 ids), when the source had one
 
-The weights ARE q * scale (row-wise): that product is the model, exactly. The packer rounds each
-row's scale up to a power of two (>= max|w_row| / 127, so |q| <= 127): q * scale then needs at most
-7 significant bits and is exact in bfloat16, float16's range permitting, and float32, so every
-dtype the pair is unpacked into holds the same weights. (A general bfloat16 scale would not do:
-q * scale can need 7 + 8 = 15 bits; `--bf16-scales` packs that way, and then only float32 holds
-the product exactly; the unpacker picks float32 for such a pack.) The drafters' copies of the
-target's embedding / lm_head are not stored; neither is the tokenizer (the Qwen3 tokenizer ships
-in jspec/assets).
+The weights ARE q * scale (row-wise): that product is the model, exactly. q * scale is exact in
+float32 (7 + 8 significant bits), but NOT in general in bfloat16 (8 bits): e.g. 127 x 1.0078125 =
+127.9921875 needs 14. So the built directories are float32 (exact), and a compact directory is
+bfloat16 only when every product happens to fit (as with `--pow2-scales`, where each scale is a
+power of two and q * scale needs 7 bits; that costs up to one bit of int8 resolution).
+
+Scales: each row's scale is the least bfloat16 >= max|w_row| / 127 (so |q| <= 127), unless the row
+already is exactly q * s for an int8 q and a bfloat16 s (weights that came back through
+scripts/standin_transfer.py, or an earlier package): then that q and s are kept, so re-packing
+int8 weights is lossless. The drafters' copies of the target's embedding / lm_head are not
+stored; neither is the tokenizer (the Qwen3 tokenizer ships in jspec/assets).
 
     python -m jspec.standin pack --target DIR --dspark DIR [--dflash DIR] --out DIR [--check] [--force]
     python -m jspec.standin path standin|standin-dspark|standin-dflash [--compact]
@@ -114,9 +117,25 @@ def bf16_ceil(x: np.ndarray) -> np.ndarray:
     return b.astype(np.float64)
 
 
-def quantize_rows(w: np.ndarray, pow2: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def exact_int8_scales(w: np.ndarray, amax: np.ndarray) -> np.ndarray:
+    """Per row: a bfloat16 s with w_row = q * s exactly for integers |q| <= 127 (taken as
+    max|w_row| / k for the largest such k in 127..64), or NaN where there is none."""
+    scale = np.full(w.shape[0], np.nan)
+    todo = amax > 0
+    for k in range(127, 63, -1):
+        s = amax / k
+        cand = np.flatnonzero(todo & (s.astype(np.float32).astype(BF16).astype(np.float64) == s))
+        if cand.size:
+            r = w[cand] / s[cand, None]
+            ok = cand[np.all(r == np.rint(r), axis=1)]
+            scale[ok], todo[ok] = s[ok], False
+    return scale
+
+
+def quantize_rows(w: np.ndarray, pow2: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-row int8: (q int8 [rows, cols], scale bf16 [rows]) with |q| <= 127 and
-    scale >= max|w_row| / 127 (a power of two unless pow2=False). A zero row gets scale 0."""
+    scale >= max|w_row| / 127: the least bfloat16 (pow2: the least power of two) such, except on
+    rows that already are int8 x bfloat16 exactly, which keep that form. A zero row: scale 0."""
     w = np.asarray(w, np.float64)
     if w.ndim != 2:
         raise ValueError(f"quantize_rows wants a 2-D array, got shape {list(w.shape)}")
@@ -124,9 +143,13 @@ def quantize_rows(w: np.ndarray, pow2: bool = True) -> tuple[np.ndarray, np.ndar
     if not np.isfinite(amax).all():
         raise ValueError("weights hold inf or NaN")
     need = amax / 127.0
-    scale = np.zeros_like(need)
-    nz = need > 0
-    scale[nz] = pow2_ceil(need[nz]) if pow2 else bf16_ceil(need[nz])
+    scale = exact_int8_scales(w, amax)
+    if pow2:  # keep only what bfloat16 holds exactly
+        scale[~np.all(w.astype(np.float32).astype(BF16).astype(np.float64) == w, axis=1)] = np.nan
+    fresh = np.isnan(scale) & (need > 0)
+    scale[np.isnan(scale)] = 0.0
+    scale[fresh] = pow2_ceil(need[fresh]) if pow2 else bf16_ceil(need[fresh])
+    nz = scale > 0
     if not np.array_equal(scale.astype(BF16).astype(np.float64), scale):
         raise ValueError("a row's scale is outside bfloat16's normal range")
     safe = np.where(nz, scale, 1.0)[:, None]
@@ -170,7 +193,7 @@ def _expected_keys(src: Path, kind: str) -> tuple[dict, dict[str, tuple], frozen
     return hf, shapes, drop
 
 
-def _pack_one(src: Path, dst: Path, kind: str, pow2: bool) -> list[dict]:
+def _pack_one(src: Path, dst: Path, kind: str, pow2: bool = False) -> list[dict]:
     from safetensors.numpy import save_file
 
     from jspec.convert.safetensors_reader import CheckpointError, index_checkpoint, read_tensor
@@ -241,7 +264,7 @@ def _check_pair(target: Path, drafters: dict[str, Path]) -> None:
 
 
 def pack(target: str | Path, dspark: str | Path, out: str | Path, dflash: str | Path | None = None,
-         *, pow2: bool = True, force: bool = False) -> list[dict]:
+         *, pow2: bool = False, force: bool = False) -> list[dict]:
     """Pack S and its drafters into out/{target,dspark[,dflash]}; atomic. Returns the per-tensor
     report (quantisation errors relative to each row's max |w|, bytes)."""
     srcs = {"target": Path(target), "dspark": Path(dspark)}
@@ -402,7 +425,7 @@ def compact_dir(name: str) -> Path:
     """The dequantized compact Hugging Face directory of a stand-in name (S's own rows: config.json
     unchanged but for its dtype, model.safetensors = q * scale in bfloat16 when exact there, else
     float32; the target's also with generation_config.json and the Qwen3 tokenizer). This is what
-    the 8B graft grafts from."""
+    the 8B graft grafts from (its default bfloat16 output rounds float32 weights)."""
     kind = check_name(name)
     return _cached(f"compact-{kind}", _pack_hash(kind), lambda d: _write_compact(kind, d))
 
@@ -499,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--out", required=True, help="output directory (e.g. jspec/assets/standin)")
     pk.add_argument("--check", action="store_true", help="print each tensor's quantisation error "
                     "and the sizes")
-    pk.add_argument("--bf16-scales", action="store_true", help="scales rounded up to bfloat16 "
-                    "instead of a power of two (q * s then exact in float32 only)")
+    pk.add_argument("--pow2-scales", action="store_true", help="scales rounded up to a power of "
+                    "two instead of to bfloat16: q * s then exact in bfloat16 too, at up to one "
+                    "bit less int8 resolution")
     pk.add_argument("--force", action="store_true", help="replace an existing --out")
     pa = sub.add_parser("path", help="build (once) and print the directory a name resolves to")
     pa.add_argument("name", choices=list(NAMES))
@@ -510,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pack":
             report = pack(args.target, args.dspark, args.out, args.dflash,
-                          pow2=not args.bf16_scales, force=args.force)
+                          pow2=args.pow2_scales, force=args.force)
             if args.check:
                 _print_report(report, Path(args.out))
             else:

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from jspec import standin as ST
 from jspec.config import ConfigError
 from jspec.convert.safetensors_reader import index_checkpoint, read_tensor
-from standin_pack import ROWS, make_compact_pair, standin_env
+from standin_pack import ROWS, standin_env
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,25 @@ def test_quantize_rows(pow2):
     assert ST.exact_in(deq, ST.BF16) == pow2
     err = np.abs(deq - w).max(1)
     assert np.all(err <= s64 / 2 + 1e-12 * amax)  # round to nearest
+    # Weights that already are int8 x bfloat16 are kept as they are: re-packing is lossless.
+    q2, s2 = ST.quantize_rows(deq, pow2=pow2)
+    np.testing.assert_array_equal(ST.dequantize(q2, s2), deq)
+
+
+def test_transferred_weights_repack_losslessly():
+    """scripts/standin_transfer.py brings the trained pair back as int8 x bf16 (its own scale
+    rule); packing those weights keeps them exactly, rows with max |q| = 126 included."""
+    sys.path.insert(0, str(ST.Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from standin_transfer import quantize_rows as transfer_quantize
+    finally:
+        sys.path.pop(0)
+    w = np.random.default_rng(1).standard_normal((300, 64)).astype(np.float32)
+    q, s = transfer_quantize(w)
+    back = q.astype(np.float32) * s.astype(np.float32)[:, None]
+    assert (np.abs(q).max(1) < 127).any()  # the case a plain re-quantisation would change
+    q2, s2 = ST.quantize_rows(back)
+    np.testing.assert_array_equal(ST.dequantize(q2, s2), back)
 
 
 # ---- the package --------------------------------------------------------------------------------
@@ -75,7 +94,7 @@ def test_pack_round_trip(tiny):
         _, weights = ST.read_packed(kind)
         compact = ST.compact_dir({"target": "standin"}.get(kind, f"standin-{kind}"))
         stored = {k: read_tensor(i) for k, i in index_checkpoint(compact).items()}
-        assert all(v.dtype == ST.BF16 for v in stored.values())  # exact there (power-of-two scales)
+        assert all(v.dtype == np.float32 for v in stored.values())  # q * s is not bf16-exact
         for key in keep:
             w = source[key].astype(np.float64)
             if w.ndim == 2:
@@ -97,7 +116,7 @@ def test_pack_round_trip(tiny):
     assert json.loads((tdir / "config.json").read_text())["jspec_shared_row"] is not None
 
 
-def test_pack_cli_check_and_refusals(tiny, tmp_path):
+def test_pack_cli_check_and_refusals(tiny, tmp_path, monkeypatch):
     src = tiny["src"]
     out = tmp_path / "p"
     args = [sys.executable, "-m", "jspec.standin", "pack", "--target", str(src / "target"),
@@ -108,6 +127,19 @@ def test_pack_cli_check_and_refusals(tiny, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["dspark", "target"]
     r = subprocess.run(args, capture_output=True, text=True)  # exists: refused
     assert r.returncode == 2 and "already exists" in r.stderr
+    # Power-of-two scales: q * s fits bfloat16, so the compact directory is bfloat16 and exact.
+    r = subprocess.run(args + ["--force", "--pow2-scales"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("JSPEC_STANDIN_DIR", str(out))
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    raw = load_file(out / "target" / ST.WEIGHTS_FILE)
+    compact = {k: read_tensor(i) for k, i in index_checkpoint(ST.compact_dir("standin")).items()}
+    s = raw["model.layers.1.mlp.down_proj.weight.scale"].astype(np.float64)
+    assert np.all(np.log2(s) == np.round(np.log2(s)))
+    w = compact["model.layers.1.mlp.down_proj.weight"]
+    assert w.dtype == ST.BF16
+    np.testing.assert_array_equal(w.astype(np.float64), raw["model.layers.1.mlp.down_proj.weight.q"]
+                                  * s[:, None])
     with pytest.raises(ConfigError, match="DFlash"):  # drafters swapped
         ST.pack(src / "target", src / "dflash", tmp_path / "q")
     with pytest.raises(ConfigError, match="drafter"):
