@@ -77,7 +77,8 @@ def _cmd_demo(args) -> int:
         raise ValueError("the prompts must be non-empty")
     model, draft = resolve_model(args.model), resolve_drafter(args.draft)
     tokenizer = Tokenizer.from_dir(model)
-    prompts = [tokenizer.encode(t) for t in texts]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])
+                                if args.chat else t) for t in texts]
     page = 16
     # Small engine knobs: a few lanes, a page pool just big enough for these prompts.
     knobs = dict(max_lanes=min(len(prompts), 4), page_size=page, prefill_chunk=128,
@@ -117,9 +118,10 @@ def _cmd_demo(args) -> int:
     else:
         for i, (text, a, b, same) in enumerate(zip(texts, stock, spec, matches)):
             tps = f"{b.tokens_per_step:.2f}" if b.tokens_per_step else "-"
-            print(f"=== prompt {i} ({len(b.token_ids)} tokens, {tps} tokens per verify step, "
+            print(f"=== prompt {i}\n{text}")
+            print(f"--- reply ({len(b.token_ids)} tokens, {tps} tokens per verify step, "
                   f"{'identical to stock' if same else 'DIFFERS FROM STOCK'})")
-            print(text + b.text, flush=True)
+            print(b.text, flush=True)
         print(f"=== stock {summary['stock_tokens_per_s']:.1f} tokens/s, speculative "
               f"{summary['spec_tokens_per_s']:.1f} tokens/s ({summary['speedup']:.2f}x), "
               f"{summary['tokens_per_step'] or 0:.2f} tokens per verify step")
@@ -176,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "standin-dflash is the DFlash ablation)")
     p.add_argument("--prompts", help="JSONL file of {\"turns\": [...]} records (first turn used; "
                    "default: HumanEval/0, /2, /4)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap prompts in the Qwen3 chat template (default: on, as the stand-in is "
+                   "trained and benchmarked)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", type=int, help="tokens proposed per step (default: "
                    "the drafter's block size)")

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -491,7 +490,8 @@ DEMO_PROMPTS = Path(__file__).resolve().parent / "assets" / "humaneval_demo.json
 
 
 def demo_prompts() -> list[str]:
-    """HumanEval/0, /2 and /4 (openai/human-eval, MIT): the code prompts, as a code model sees them."""
+    """HumanEval/0, /2 and /4 (openai/human-eval, MIT) as user turns, the lines of
+    ../shared/data/prompts/humaneval.jsonl (DeepSpec's conversion) that the benchmark uses."""
     return [json.loads(line)["turns"][0] for line in DEMO_PROMPTS.read_text().splitlines() if line]
 
 

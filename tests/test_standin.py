@@ -340,6 +340,6 @@ def test_demo_exits_nonzero_when_outputs_differ(monkeypatch, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["a"]}\n{"turns": ["b"]}\n')
     assert main(["demo", "--model", str(tmp_path), "--draft", str(tmp_path), "--prompts",
-                 str(prompts)]) == 1
+                 str(prompts), "--no-chat"]) == 1
     out = capsys.readouterr().out
     assert "DIFFER" in out
