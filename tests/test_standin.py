@@ -309,7 +309,7 @@ def test_demo(demo_env, capsys):
     assert summary["stock_tokens_per_s"] > 0 and summary["spec_tokens_per_s"] > 0
     assert 1.0 <= summary["tokens_per_step"] <= 8.0
     if demo_env:  # the trained pair: its drafter must be worth something
-        assert summary["tokens_per_step"] > 1.5
+        assert summary["tokens_per_step"] > 1.3
 
 
 def test_demo_exits_nonzero_when_outputs_differ(monkeypatch, tmp_path, capsys):
