@@ -104,7 +104,9 @@ def _cmd_demo(args) -> int:
     # Verify steps per request: its tokens / its mean tokens per step; overall = tokens / steps.
     steps = sum(len(r.token_ids) / r.tokens_per_step for r in spec if r.tokens_per_step)
     matches = [a.token_ids == b.token_ids for a, b in zip(stock, spec)]
+    import jax
     summary = {"model": str(args.model), "draft": str(args.draft), "max_tokens": args.max_tokens,
+               "device": jax.default_backend(),
                "stock_tokens_per_s": n_stock / stock_s, "spec_tokens_per_s": n_spec / spec_s,
                "speedup": (n_spec / spec_s) / (n_stock / stock_s),
                "tokens_per_step": n_spec / steps if steps else None,
@@ -124,7 +126,7 @@ def _cmd_demo(args) -> int:
             print(b.text, flush=True)
         print(f"=== stock {summary['stock_tokens_per_s']:.1f} tokens/s, speculative "
               f"{summary['spec_tokens_per_s']:.1f} tokens/s ({summary['speedup']:.2f}x), "
-              f"{summary['tokens_per_step'] or 0:.2f} tokens per verify step")
+              f"{summary['tokens_per_step'] or 0:.2f} tokens per verify step, on {summary['device']}")
         print("greedy outputs match token for token" if all(matches) else
               f"greedy outputs DIFFER for prompt(s) {[i for i, m in enumerate(matches) if not m]}: "
               "speculative decoding was not lossless")
