@@ -124,6 +124,10 @@ def cmd_bench(args) -> int:
 # ---- the run ------------------------------------------------------------------------------------
 
 def git_state() -> tuple[str | None, bool | None]:
+    """(commit, dirty). JSPEC_COMMIT wins: a copy of the tree on a device machine may carry a
+    stale .git (the 2026-11-30 bench recorded an older commit that way)."""
+    if os.environ.get("JSPEC_COMMIT"):
+        return os.environ["JSPEC_COMMIT"], None
     try:
         commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], check=True,
                                 capture_output=True, text=True).stdout.strip()
