@@ -34,7 +34,9 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
 
 
 class RMSNorm(nnx.Module):
-    """Qwen3's RMSNorm: normalise in fp32, cast back, then scale (the order transformers uses)."""
+    """Qwen3's RMSNorm: normalise in fp32, cast to the weight's dtype, then scale (the order
+    transformers uses). The output is in the weight's dtype whatever the input's: the residual
+    stream is fp32 (see DecoderLayer), the matmuls that follow read the model dtype."""
 
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -43,7 +45,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: Array) -> Array:
         x_f32 = x.astype(jnp.float32)
         x_f32 = x_f32 * jax.lax.rsqrt(jnp.mean(x_f32 * x_f32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x_f32.astype(x.dtype)
+        w = self.weight[...]
+        return w * x_f32.astype(w.dtype)
 
 
 def apply_rope(x_bthk: Array, positions_bt: Array, theta: float) -> Array:
@@ -78,7 +81,9 @@ class Attention(nnx.Module):
                 apply_rope(k, positions_bt, self.rope_theta), v)
 
     def out(self, attn_bthk: Array) -> Array:
-        return jnp.einsum("bthk,dhk->btd", attn_bthk, self.o_proj[...])
+        """fp32: it is added to the fp32 residual stream without a rounding of its own."""
+        return jnp.einsum("bthk,dhk->btd", attn_bthk, self.o_proj[...],
+                          preferred_element_type=jnp.float32)
 
 
 class MLP(nnx.Module):
@@ -91,7 +96,8 @@ class MLP(nnx.Module):
     def __call__(self, x_btd: Array) -> Array:
         gate_btf = jnp.einsum("btd,fd->btf", x_btd, self.gate_proj[...])
         up_btf = jnp.einsum("btd,fd->btf", x_btd, self.up_proj[...])
-        return jnp.einsum("btf,df->btd", jax.nn.silu(gate_btf) * up_btf, self.down_proj[...])
+        return jnp.einsum("btf,df->btd", jax.nn.silu(gate_btf) * up_btf, self.down_proj[...],
+                          preferred_element_type=jnp.float32)  # into the fp32 residual
 
 
 class DecoderLayer(nnx.Module):
@@ -103,9 +109,14 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, layer_idx: int, x_btd: Array, positions_bt: Array, attention: AttentionFn,
                  cache: Any) -> tuple[Array, Any]:
+        """x_btd: the residual stream, kept in fp32 whatever the model dtype. Rounding it to bf16
+        after every add (as transformers does) makes a q_len-8 verify and a q_len-1 decode drift
+        apart by ~1e-2 nats through a deep model (their GEMMs round differently); in fp32 only
+        the matmul inputs are rounded, and the two paths agree."""
+        x_btd = x_btd.astype(jnp.float32)
         q, k, v = self.self_attn.qkv(self.input_layernorm(x_btd), positions_bt)
         attn_bthk, cache = attention(layer_idx, q, k, v, cache)
-        x_btd = x_btd + self.self_attn.out(attn_bthk.astype(x_btd.dtype))
+        x_btd = x_btd + self.self_attn.out(attn_bthk.astype(q.dtype))
         x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
         return x_btd, cache
 
@@ -150,7 +161,8 @@ class Qwen3(nnx.Module):
             x_btd, cache = layer(i, x_btd, positions_bt, attention, caches[i] if caches else None)
             new_caches.append(cache)
             outputs[i] = x_btd
-        taps = [outputs[i] for i in tap_layers]
+        dtype = self.embed_tokens[...].dtype
+        taps = [outputs[i].astype(dtype) for i in tap_layers]  # as transformers' hidden_states
         return self.norm(x_btd), taps, new_caches
 
 

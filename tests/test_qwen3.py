@@ -244,3 +244,20 @@ def test_sharded_checkpoint_with_index(hf_tiny_dirs, tmp_path):
     tokens = jnp.asarray(_tokens(cfg))
     np.testing.assert_array_equal(np.asarray(forward_logits(a, tokens)[0]),
                                   np.asarray(forward_logits(b, tokens)[0]))
+
+
+def test_bf16_model_keeps_an_fp32_residual_stream(hf_tiny_dirs):
+    """Rounding the residual to bf16 after every add is what made a q_len-8 verify and a q_len-1
+    decode drift apart (docs/benchmarks.md, the bench's fixed-text gate): the stream stays fp32,
+    the matmul inputs and the taps are bf16."""
+    cfg, model = load_model(hf_tiny_dirs["tiny-untied"], dtype="bfloat16")
+    tokens = jnp.asarray(_tokens(cfg))
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    from jspec.qwen3 import causal_attention
+    x = model.embed(tokens)
+    out, _ = model.layers[0](0, x, positions, causal_attention(), None)
+    assert out.dtype == jnp.float32
+    hidden, taps, _ = model(tokens, positions, attention=causal_attention(), tap_layers=(0, 1))
+    assert hidden.dtype == jnp.bfloat16 and all(t.dtype == jnp.bfloat16 for t in taps)
+    # The fp32 stream is not a bf16 one upcast: it holds values bf16 cannot.
+    assert not np.array_equal(np.asarray(out), np.asarray(out.astype(jnp.bfloat16).astype(jnp.float32)))

@@ -54,7 +54,8 @@ def target_forward(model: Qwen3, tokens_bt: Array, *, attn_impl: str = "dense", 
         return hidden, taps
     outputs: dict[int, Array] = {}
     x_btd = run_layers(model.layers, model.embed(tokens_bt), positions_bt, attention, remat, outputs)
-    return model.norm(x_btd), [outputs[i] for i in tap_layers]
+    dtype = model.embed_tokens[...].dtype
+    return model.norm(x_btd), [outputs[i].astype(dtype) for i in tap_layers]
 
 
 def lm_loss(model: Qwen3, tokens_bt: Array, cfg: TargetTrainConfig,
