@@ -20,9 +20,8 @@
 #   bash scripts/gpu_bench.sh team
 #   bash scripts/gpu_bench.sh busy
 #   bash scripts/gpu_bench.sh peer
-# (Unmeasured estimates at 8B on one H200: graft 1-2 min; solo 5-6 min with load, compiles, 3+3
-# passes of 16 x 512 tokens, 32 teacher-forced texts and scoring; team and busy 3-5 min each;
-# peer 5-7 min. Every stage prints what it took; merge stages into one command once measured.)
+# (Measured on the H200 on 2026-11-30, stand-in pair at T = 1: graft + solo 5.4 min, team about
+# 3 min, busy 4.1 min; the peer is not measured yet. Every stage prints what it took.)
 # Every stage writes $BENCH_DIR/parts/<stage>.json and re-assembles $BENCH_DIR/bench.{json,md,png}
 # from all parts of the same run (same model, drafter, sampling, knobs and commit); the last stage
 # leaves the complete record. Each command copies $BENCH_DIR to $OUT/bench so what was measured
@@ -33,6 +32,7 @@
 #   STANDIN_TARGET [standin], STANDIN_DRAFT [standin-dspark]   the small stand-in files
 #   GRAFT [/tmp/graft]          graft output: $GRAFT/target, $GRAFT/dspark
 #   BENCH_DIR [/tmp/jspec-bench]
+#   GRAFT_ARGS []               extra graft options ("--check": S vs the 8B graft's logits on the GPU)
 #   SAMPLING [t1]               t1 | greedy | qwen
 #   BENCH_ARGS []               extra `jspec bench` options (e.g. "--attn-impl triton")
 #   JSPEC_PROMPTS_DIR           where humaneval.jsonl and mbpp.jsonl are; else the first of
@@ -84,8 +84,9 @@ for stage in "${stages[@]}"; do
         echo "gpu_bench: $GRAFT already built"
       else
         t0=$SECONDS
+        # shellcheck disable=SC2086
         python3 -m jspec.convert.graft --target "$STANDIN_TARGET" --draft "$STANDIN_DRAFT" \
-          --out "$GRAFT" --force
+          --out "$GRAFT" --force ${GRAFT_ARGS:-}
         echo "gpu_bench: graft took $((SECONDS - t0)) s"
       fi
       ;;

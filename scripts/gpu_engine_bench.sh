@@ -8,9 +8,18 @@
 set -uo pipefail
 . scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}
-timeout 160 python3 scripts/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
-timeout 190 python3 scripts/bench_steps.py --out "$OUT/steps.json" --split-lanes 1,32 2>&1 | tee "$OUT/steps.log"
-timeout 60 python3 scripts/make_random_qwen3.py --preset qwen3-8b --out /tmp/q8b > "$OUT/ckpt.log" 2>&1 \
-  || { echo "checkpoint writer failed"; cat "$OUT/ckpt.log"; exit 1; }
-timeout 150 python3 scripts/bench_peer_transformers.py --model /tmp/q8b --out "$OUT/peer.json" \
-  --new-tokens 128 2>&1 | tail -30 | tee "$OUT/peer.log"
+# PARTS (default "attention steps peer") picks parts, e.g. PARTS="steps peer" for the stock
+# figures and the peer in the same run.
+PARTS=${PARTS:-attention steps peer}
+if [[ " $PARTS " == *" attention "* ]]; then
+  timeout 160 python3 scripts/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
+fi
+if [[ " $PARTS " == *" steps "* ]]; then
+  timeout 190 python3 scripts/bench_steps.py --out "$OUT/steps.json" --split-lanes 1,32 2>&1 | tee "$OUT/steps.log"
+fi
+if [[ " $PARTS " == *" peer "* ]]; then
+  timeout 60 python3 scripts/make_random_qwen3.py --preset qwen3-8b --out /tmp/q8b > "$OUT/ckpt.log" 2>&1 \
+    || { echo "checkpoint writer failed"; cat "$OUT/ckpt.log"; exit 1; }
+  timeout 150 python3 scripts/bench_peer_transformers.py --model /tmp/q8b --out "$OUT/peer.json" \
+    --new-tokens 128 2>&1 | tail -30 | tee "$OUT/peer.log"
+fi
