@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
+from jspec.atomic import atomic_dir
 from jspec.config import ConfigError, Qwen3Config
 from jspec.convert.safetensors_reader import index_checkpoint, read_tensor
 
@@ -53,23 +53,13 @@ def _read_dir(src: Path) -> tuple[dict, dict[str, np.ndarray]]:
 
 def _write_dir(dst: Path, hf: dict, tensors: dict[str, np.ndarray], side_from: Path | None) -> Path:
     """Atomic: built beside dst and renamed into place."""
-    dst = Path(dst)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(dst) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         for name in SIDE_FILES if side_from else ():
             if (side_from / name).is_file():
                 shutil.copy2(side_from / name, tmp / name)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dst
+    return Path(dst)
 
 
 def _cast(x: np.ndarray, dtype: str) -> np.ndarray:

@@ -71,7 +71,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import shutil
 import struct
 import sys
@@ -82,6 +81,7 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
+from jspec.atomic import atomic_dir
 from jspec.config import ConfigError, Qwen3Config, PRESETS
 from jspec.convert.safetensors_reader import CheckpointError, index_checkpoint, read_tensor
 from jspec.dspark import DSparkConfig, drafter_checkpoint_shapes
@@ -712,29 +712,21 @@ def graft(target: str | Path, draft: str | Path, out: str | Path, dflash: str | 
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
     if log:
         log(plan.summary())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     global _ARENA
     _ARENA = _Arena()
     try:
-        for sub, (hf, items) in plan.outputs.items():
-            d = tmp / sub
-            d.mkdir(parents=True)
-            write_model(d, items, dtype, shard_mib * 2**20 if sub == "target" and shard_mib else None,
-                        log)
-            (d / "config.json").write_text(json.dumps(hf, indent=2))
-        src, = _sources(target)
-        for name in SIDE_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / "target" / name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_dir(out) as tmp:
+            for sub, (hf, items) in plan.outputs.items():
+                d = tmp / sub
+                d.mkdir(parents=True)
+                write_model(d, items, dtype, shard_mib * 2**20 if sub == "target" and shard_mib else None,
+                            log)
+                (d / "config.json").write_text(json.dumps(hf, indent=2))
+            src, = _sources(target)
+            for name in SIDE_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, tmp / "target" / name)
     finally:
         _ARENA = None
     if log:

@@ -51,6 +51,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jspec.atomic import atomic_dir
 from jspec.config import ConfigError
 
 BF16 = ml_dtypes.bfloat16
@@ -273,19 +274,10 @@ def pack(target: str | Path, dspark: str | Path, out: str | Path, dflash: str | 
     out = Path(out)
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     report = []
-    try:
+    with atomic_dir(out) as tmp:
         for kind, src in srcs.items():
             report += _pack_one(src, tmp / kind, kind, pow2)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from jspec.atomic import atomic_dir
 from jspec.train import TrainState, make_schedule
 
 STATE_FILE, META_FILE, PREFIX = "state.safetensors", "meta.json", "step_"
@@ -216,17 +217,10 @@ def _tensor(params: dict, path: tuple, shape: tuple, dtype) -> np.ndarray:
 
 def _write_dir(out_dir: Path, write: Callable[[Path], None]) -> Path:
     """Write into a temporary sibling, then rename into place (replacing an old export)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write(tmp)
-    _fsync_dir_files(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
-    return out_dir
+    with atomic_dir(out_dir) as tmp:
+        write(tmp)
+        _fsync_dir_files(tmp)
+    return Path(out_dir)
 
 
 def export_target(model: nnx.Module, out_dir: str | Path, *, dtype: str = "bfloat16",
