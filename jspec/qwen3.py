@@ -42,10 +42,13 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, out_dtype=None) -> Array:
+        """out_dtype float32: skip the rounding (for values that stay fp32 until a matmul)."""
         x_f32 = x.astype(jnp.float32)
         x_f32 = x_f32 * jax.lax.rsqrt(jnp.mean(x_f32 * x_f32, axis=-1, keepdims=True) + self.eps)
         w = self.weight[...]
+        if out_dtype == jnp.float32:
+            return w.astype(jnp.float32) * x_f32
         return w * x_f32.astype(w.dtype)
 
 
@@ -74,11 +77,13 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
 
     def qkv(self, x_btd: Array, positions_bt: Array) -> tuple[Array, Array, Array]:
-        q = self.q_norm(jnp.einsum("btd,hkd->bthk", x_btd, self.q_proj[...]))
-        k = self.k_norm(jnp.einsum("btd,hkd->bthk", x_btd, self.k_proj[...]))
+        f32 = jnp.float32
+        dt = x_btd.dtype
+        q = self.q_norm(jnp.einsum("btd,hkd->bthk", x_btd, self.q_proj[...], preferred_element_type=f32), f32)
+        k = self.k_norm(jnp.einsum("btd,hkd->bthk", x_btd, self.k_proj[...], preferred_element_type=f32), f32)
         v = jnp.einsum("btd,hkd->bthk", x_btd, self.v_proj[...])
-        return (apply_rope(q, positions_bt, self.rope_theta),
-                apply_rope(k, positions_bt, self.rope_theta), v)
+        return (apply_rope(q, positions_bt, self.rope_theta).astype(dt),
+                apply_rope(k, positions_bt, self.rope_theta).astype(dt), v)
 
     def out(self, attn_bthk: Array) -> Array:
         """fp32: it is added to the fp32 residual stream without a rounding of its own."""
@@ -94,9 +99,11 @@ class MLP(nnx.Module):
         self.down_proj = nnx.Param(_normal(rngs, (D, F), dtype))
 
     def __call__(self, x_btd: Array) -> Array:
-        gate_btf = jnp.einsum("btd,fd->btf", x_btd, self.gate_proj[...])
-        up_btf = jnp.einsum("btd,fd->btf", x_btd, self.up_proj[...])
-        return jnp.einsum("btf,df->btd", jax.nn.silu(gate_btf) * up_btf, self.down_proj[...],
+        f32 = jnp.float32
+        gate_btf = jnp.einsum("btd,fd->btf", x_btd, self.gate_proj[...], preferred_element_type=f32)
+        up_btf = jnp.einsum("btd,fd->btf", x_btd, self.up_proj[...], preferred_element_type=f32)
+        act = (jax.nn.silu(gate_btf) * up_btf).astype(x_btd.dtype)
+        return jnp.einsum("btf,df->btd", act, self.down_proj[...],
                           preferred_element_type=jnp.float32)  # into the fp32 residual
 
 
