@@ -158,9 +158,11 @@ class DSparkDrafter(nnx.Module):
         out = []
         for layer in self.layers:
             attn = layer.self_attn
-            k = attn.k_norm(jnp.einsum("btd,hkd->bthk", context_btd, attn.k_proj[...]))
+            # As Attention.qkv: k stays fp32 through its norm and rope, rounded once.
+            k = attn.k_norm(jnp.einsum("btd,hkd->bthk", context_btd, attn.k_proj[...],
+                                       preferred_element_type=jnp.float32), jnp.float32)
             v = jnp.einsum("btd,hkd->bthk", context_btd, attn.v_proj[...])
-            out.append((apply_rope(k, positions_bt, attn.rope_theta), v))
+            out.append((apply_rope(k, positions_bt, attn.rope_theta).astype(v.dtype), v))
         return out
 
     # ---- block --------------------------------------------------------------------------------
