@@ -8,10 +8,10 @@ DST stays intact until the new one is whole).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
+from jspec.atomic import atomic_dir
 from jspec.loading import (JSPEC_MARKER, ORBAX_SUBDIR, check_model_dir, drafter_shared_fingerprints,
                            is_drafter_dir, load_model, save_orbax)
 
@@ -28,11 +28,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, force: bool = False,
         raise ValueError("convert: DST must differ from SRC")
     if dst.exists() and not force:
         raise FileExistsError(f"{dst} already exists; pass --force to overwrite it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(dst) as tmp:
         marker = {"format": "jspec-orbax", "version": 1, "source": str(src.resolve())}
         if is_drafter_dir(src):
             cfg, model = _load_drafter_alone(src, dtype, progress)
@@ -45,7 +41,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, force: bool = False,
             marker.update(kind="qwen3")
             dtype_out = cfg.dtype
         marker["dtype"] = dtype_out
-        tmp.mkdir()
         if progress:
             print(f"writing Orbax checkpoint ({dtype_out}) ...", flush=True)
         save_orbax(model, tmp / ORBAX_SUBDIR)
@@ -58,15 +53,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, force: bool = False,
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         # The marker is written last: a directory without it is never taken for a jspec one.
         (tmp / JSPEC_MARKER).write_text(json.dumps(marker, indent=2))
-        if dst.exists():
-            os.replace(dst, old)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not dst.exists():
-            os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
     return dst
 
 

@@ -1,6 +1,7 @@
 """Bring trained model directories back from the GPU machine through its file limits (at most 8
-files of 16 MiB): every 2-D float tensor as int8 rows with one bf16 scale per row (the scale
-rounded up, so |q| <= 127), 1-D tensors as bf16, side files verbatim, split into shards.
+files of 16 MiB): every 2-D float tensor as int8 rows with one bf16 scale per row (jspec.standin's
+quantizer, so packing what comes back is lossless), 1-D tensors as bf16, side files
+verbatim, split into shards.
 
   python scripts/standin_transfer.py save --dir target=OUT/target --dir dspark=OUT/dspark \
       --out $OUT/xfer [--max-mib 15]
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 from pathlib import Path
 
@@ -23,25 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jspec.standin import dequantize, quantize_rows  # noqa: E402  (the shipped format's quantizer)
+
 SIDE = ("config.json", "generation_config.json", "tokenizer_config.json")
-
-
-def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int8 q and bf16 scale per row with q * scale the stored weight (scale >= max|row| / 127)."""
-    w = np.asarray(w, np.float32)
-    amax = np.abs(w).max(axis=1)
-    scale = (amax / 127.0).astype(ml_dtypes.bfloat16)
-    low = scale.astype(np.float32) * 127.0 < amax  # rounded down: step up one bf16 ulp
-    scale[low] = np.nextafter(scale[low].astype(np.float32), np.float32(np.inf)).astype(ml_dtypes.bfloat16)
-    while True:
-        s32 = scale.astype(np.float32)
-        bad = s32 * 127.0 < amax
-        if not bad.any():
-            break
-        scale[bad] = (s32[bad] * np.float32(1.0078125)).astype(ml_dtypes.bfloat16)
-    s32 = np.where(scale.astype(np.float32) > 0, scale.astype(np.float32), 1.0)
-    q = np.clip(np.rint(w / s32[:, None]), -127, 127).astype(np.int8)
-    return q, scale
 
 
 def save(dirs: dict[str, Path], out: Path, max_mib: float) -> None:
@@ -111,8 +95,7 @@ def load(src: Path, dest: Path) -> list[Path]:
             if kind == "txt":
                 (d / key).write_bytes(v.tobytes())
             elif kind == "q":
-                s = items[(key, "s")].view(ml_dtypes.bfloat16).astype(np.float32)
-                tensors[key] = v.astype(np.float32) * s[:, None]
+                tensors[key] = dequantize(v, items[(key, "s")].view(ml_dtypes.bfloat16))
             elif kind == "b":
                 tensors[key] = v.view(ml_dtypes.bfloat16).astype(np.float32)
         save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})

@@ -461,15 +461,13 @@ def main(argv=None):
         f"{sum(map(len, train_docs)):,} training tokens, {time.time() - t0:.0f} s")
     eos_ids = list(tok.eos_ids) if qwen3 else [args.sep_id]
     vocab = None
-    rows_of = lambda docs: docs
     full_sep = args.sep_id
     if args.compact_rows:
         vocab = build_compact_vocab(train_docs, args.compact_rows)
         log(f"compact vocabulary: {vocab.rows} rows, training coverage {coverage(vocab, train_docs):.4f}, "
             f"held-out {coverage(vocab, held_docs):.4f}")
-        sigma = vocab.law()[0]
-        rows_of = lambda docs: [sigma[np.asarray(d, np.int64)].astype(np.int32).tolist() for d in docs]
-        vocab_size, mask_id, args.sep_id = vocab.rows, vocab.mask_row, int(sigma[args.sep_id])
+        vocab_size, mask_id, args.sep_id = vocab.rows, vocab.mask_row, int(vocab.to_rows([args.sep_id])[0])
+    rows_of = vocab.docs_to_rows if vocab else (lambda docs: docs)
     target_cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.ffn,
                              num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                              head_dim=args.head_dim, max_position_embeddings=max(40960, args.seq_len),
@@ -517,7 +515,7 @@ def light_state(args, out: Path):
     if "jspec_shared_row" in hf:
         vocab = CompactVocab.from_hf(hf, mask_row=target_cfg.vocab_size - 1)
         mask_id = vocab.mask_row
-        args.sep_id = int(vocab.law()[0][sep])
+        args.sep_id = int(vocab.to_rows([sep])[0])
     elif args.tokenizer != "qwen3":
         mask_id = tok.vocab_size
     if args.engine_replies or args.engine_replies is None and args.tokenizer == "qwen3":
@@ -536,10 +534,7 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
     from jspec.train.drafter import DFLASH_LOSS, DSPARK_LOSS, drafter_config
     if args.attn == "cudnn" and not cudnn_attention_works():
         args.attn = "dense"
-    rows_of = lambda docs: docs
-    if vocab is not None:
-        sigma = vocab.law()[0]
-        rows_of = lambda docs: [sigma[np.asarray(d, np.int64)].astype(np.int32).tolist() for d in docs]
+    rows_of = vocab.docs_to_rows if vocab else (lambda docs: docs)
     train = reply_arrays(rows_of(train_pr[0]), rows_of(train_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
     held = reply_arrays(rows_of(eval_pr[0]), rows_of(eval_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
     log(f"drafter data: {len(train['tokens'])} training sequences, {int(train['loss_mask'].sum()):,} reply tokens")

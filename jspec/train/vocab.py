@@ -15,6 +15,7 @@ the law of the expanded (convert/expand_vocab.py) and grafted models.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -38,7 +39,12 @@ class CompactVocab:
                 "jspec_id_to_row": {str(t): r for t, r in sorted(self.id_to_row.items())}}
 
     def law(self) -> tuple[np.ndarray, np.ndarray]:
-        """(sigma [full_vocab] id -> row, n [rows]) by graft.vocab_law (one definition)."""
+        """(sigma [full_vocab] id -> row, n [rows]) by graft.vocab_law (one definition),
+        computed once per vocabulary."""
+        return self._law
+
+    @functools.cached_property
+    def _law(self) -> tuple[np.ndarray, np.ndarray]:
         from jspec.convert.expand_vocab import compact_law
         return compact_law({"vocab_size": self.rows, **self.hf_keys()}, self.full_vocab,
                            self.mask_row, self.mask_id)
@@ -48,6 +54,10 @@ class CompactVocab:
 
     def to_rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         return self.law()[0][np.asarray(ids, np.int64)].astype(np.int32)
+
+    def docs_to_rows(self, docs: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Token lists of full-vocabulary ids -> lists of rows."""
+        return [self.to_rows(d).tolist() for d in docs]
 
     @classmethod
     def from_hf(cls, hf: dict, mask_row: int, full_vocab: int = QWEN3_VOCAB,
