@@ -26,7 +26,7 @@ from flax import nnx
 
 from jspec.config import Qwen3Config
 from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
-from jspec.qwen3 import Qwen3
+from jspec.qwen3 import Qwen3, fuse_projections
 from jspec.sampling import SamplingArrays
 from jspec.steps import DecodeState, StockPrograms
 
@@ -123,6 +123,9 @@ class Engine:
         # block when it is wider (its keys are written past the committed length too).
         width = max(self.num_draft + 1, draft_cfg.block_size) if drafter is not None else 1
         self.ecfg = engine_cfg = dataclasses.replace(engine_cfg, step_width=width)
+        fuse_projections(model.layers)  # serving layout, in place (idempotent)
+        if drafter is not None:
+            fuse_projections(drafter.layers, qkv=False)
         graphdef, target_params = nnx.split(model)
         self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,
                                       cfg.num_kv_heads, cfg.head_dim, cfg.dtype)

@@ -76,12 +76,33 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.rope_theta = cfg.rope_theta
 
+    @property
+    def fused(self) -> bool:
+        return hasattr(self, "qkv_proj")
+
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one qkv_proj [Hq+2Hkv, hd, D] (one GEMM reads all three; on the
+        H200 three small GEMMs ran at 3.2 TB/s). The same math; only the GEMM's tiling may change
+        its fp32 accumulation order. Idempotent."""
+        if self.fused:
+            return
+        self.qkv_proj = nnx.Param(jnp.concatenate(
+            [self.q_proj[...], self.k_proj[...], self.v_proj[...]], axis=0))
+        self.num_q_heads = self.q_proj.shape[0]
+        del self.q_proj, self.k_proj, self.v_proj
+
     def qkv(self, x_btd: Array, positions_bt: Array) -> tuple[Array, Array, Array]:
         f32 = jnp.float32
         dt = x_btd.dtype
-        q = self.q_norm(jnp.einsum("btd,hkd->bthk", x_btd, self.q_proj[...], preferred_element_type=f32), f32)
-        k = self.k_norm(jnp.einsum("btd,hkd->bthk", x_btd, self.k_proj[...], preferred_element_type=f32), f32)
-        v = jnp.einsum("btd,hkd->bthk", x_btd, self.v_proj[...])
+        if self.fused:
+            Hq, Hkv = self.num_q_heads, (self.qkv_proj.shape[0] - self.num_q_heads) // 2
+            qkv = jnp.einsum("btd,hkd->bthk", x_btd, self.qkv_proj[...], preferred_element_type=f32)
+            q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:].astype(dt)
+        else:
+            q = jnp.einsum("btd,hkd->bthk", x_btd, self.q_proj[...], preferred_element_type=f32)
+            k = jnp.einsum("btd,hkd->bthk", x_btd, self.k_proj[...], preferred_element_type=f32)
+            v = jnp.einsum("btd,hkd->bthk", x_btd, self.v_proj[...])
+        q, k = self.q_norm(q, f32), self.k_norm(k, f32)
         return (apply_rope(q, positions_bt, self.rope_theta).astype(dt),
                 apply_rope(k, positions_bt, self.rope_theta).astype(dt), v)
 
@@ -98,13 +119,40 @@ class MLP(nnx.Module):
         self.up_proj = nnx.Param(_normal(rngs, (F, D), dtype))
         self.down_proj = nnx.Param(_normal(rngs, (D, F), dtype))
 
+    @property
+    def fused(self) -> bool:
+        return hasattr(self, "gate_up_proj")
+
+    def fuse(self) -> None:
+        """Replace gate_proj and up_proj by one gate_up_proj [2F, D]: one GEMM instead of two
+        (3.69 TB/s as two on the H200), the same math. Idempotent."""
+        if self.fused:
+            return
+        self.gate_up_proj = nnx.Param(jnp.concatenate([self.gate_proj[...], self.up_proj[...]], axis=0))
+        del self.gate_proj, self.up_proj
+
     def __call__(self, x_btd: Array) -> Array:
         f32 = jnp.float32
-        gate_btf = jnp.einsum("btd,fd->btf", x_btd, self.gate_proj[...], preferred_element_type=f32)
-        up_btf = jnp.einsum("btd,fd->btf", x_btd, self.up_proj[...], preferred_element_type=f32)
+        if self.fused:
+            gate_up = jnp.einsum("btd,fd->btf", x_btd, self.gate_up_proj[...], preferred_element_type=f32)
+            gate_btf, up_btf = jnp.split(gate_up, 2, axis=-1)
+        else:
+            gate_btf = jnp.einsum("btd,fd->btf", x_btd, self.gate_proj[...], preferred_element_type=f32)
+            up_btf = jnp.einsum("btd,fd->btf", x_btd, self.up_proj[...], preferred_element_type=f32)
         act = (jax.nn.silu(gate_btf) * up_btf).astype(x_btd.dtype)
         return jnp.einsum("btf,df->btd", act, self.down_proj[...],
                           preferred_element_type=jnp.float32)  # into the fp32 residual
+
+
+def fuse_projections(layers, *, qkv: bool = True) -> None:
+    """Serving layout, in place: gate+up (and q+k+v when `qkv`) of every decoder layer become one
+    weight each, one layer at a time (peak memory grows by one layer's projections). Checkpoint
+    keys map to the unfused layout; training and conversion use it. The drafter keeps q/k/v apart:
+    its context path reads k_proj and v_proj alone."""
+    for layer in layers:
+        layer.mlp.fuse()
+        if qkv:
+            layer.self_attn.fuse()
 
 
 class DecoderLayer(nnx.Module):

@@ -943,7 +943,8 @@ def weight_shapes(cfg, dcfg) -> dict:
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     shapes = {(Hq, hd, D): "qkv_proj", (Hkv, hd, D): "qkv_proj", (D, Hq, hd): "o_proj",
-              (F, D): "gate_up", (D, F): "down", (V, D): "embed_tokens"}
+              (F, D): "gate_up", (D, F): "down", (V, D): "embed_tokens",
+              (Hq + 2 * Hkv, hd, D): "qkv_proj", (2 * F, D): "gate_up"}  # the engine's fused layout
     if dcfg is not None:
         shapes[(D, dcfg.num_taps * D)] = "fc"
         if dcfg.markov_rank:

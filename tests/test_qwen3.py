@@ -261,3 +261,26 @@ def test_bf16_model_keeps_an_fp32_residual_stream(hf_tiny_dirs):
     assert hidden.dtype == jnp.bfloat16 and all(t.dtype == jnp.bfloat16 for t in taps)
     # The fp32 stream is not a bf16 one upcast: it holds values bf16 cannot.
     assert not np.array_equal(np.asarray(out), np.asarray(out.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_fused_projections_compute_the_same_model(hf_tiny_dirs):
+    """The serving layout (q/k/v and gate/up as one weight each) is the same model: logits and
+    taps match the checkpoint layout, the old weights are gone, and fusing twice is a no-op."""
+    from jspec.qwen3 import fuse_projections
+    cfg, model = load_model(hf_tiny_dirs["tiny-untied"])
+    tokens = jnp.asarray(_tokens(cfg))
+    taps = (0, 1)
+    before, tapped_before = forward_logits(model, tokens, tap_layers=taps)
+    q0 = np.asarray(model.layers[0].self_attn.q_proj[...])
+    fuse_projections(model.layers)
+    fuse_projections(model.layers)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
+    assert attn.qkv_proj.shape == (cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
+    assert mlp.gate_up_proj.shape == (2 * cfg.intermediate_size, cfg.hidden_size)
+    np.testing.assert_array_equal(np.asarray(attn.qkv_proj[...])[:cfg.num_heads], q0)
+    after, tapped_after = forward_logits(model, tokens, tap_layers=taps)
+    np.testing.assert_allclose(np.asarray(after), np.asarray(before), atol=1e-5, rtol=1e-5)
+    for a, b in zip(tapped_after, tapped_before):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    assert np.abs(np.asarray(before)).max() > 0.1  # not a vacuous comparison of zeros
