@@ -2,7 +2,11 @@
 
 Everything here is pure `jax.random` + `jax.numpy`, jit-able, and takes the per-lane sampling
 parameters as *arrays* (`SamplingArrays`), never as static arguments: changing a request's
-temperature / top-k / top-p / seed never recompiles.
+temperature / top-k / top-p / seed never recompiles. One static bit says whether any lane
+filters at all (top-k / top-p), so a program compiles at most twice: with and without filtering.
+The two variants compute the same law; XLA fuses them differently, so a lane's log-probs may
+differ between them in the last fp32 bit (a token could change only where two candidates tie
+to ~1e-7). Within a variant a request never depends on its batch.
 
 The processed distribution (`processed_logprobs`), exactly:
 
@@ -30,8 +34,9 @@ parameters, never on the batch):
     image of x (the tpu-inference / T5X trick, widened to 2 bits per pass on accelerators): 16
     vocab passes, each counting (top-k) or summing the mass (top-p) above 3 candidate thresholds
     at once (1 bit, 32 passes, on CPU). No sort, gather or scatter over the vocabulary.
-  Each path is skipped with `lax.cond` when no lane in the batch needs it, so plain temperature
-  sampling costs one log-softmax. The two paths compute the same cut up to the order of the fp32
+  When no lane filters (the static bit) the paths are not in the program, so plain temperature
+  sampling costs one log-softmax; otherwise each path is skipped with `lax.cond` when no lane in
+  the batch needs it. The two paths compute the same cut up to the order of the fp32
   mass summation, which matters only when a prefix mass is within rounding of top_p.
 
 The public functions are `jax.jit`-wrapped so that eager calls are fast; inside an outer jit
@@ -39,8 +44,8 @@ they simply inline.
 
 Randomness: every draw uses a key derived from the request's seed, the absolute position of
 the token it concerns, and a small purpose tag (`token_key`). A request's tokens therefore never
-depend on its lane index or on what else is batched with it, and a key is never shared between
-two different kinds of draw.
+depend on its lane index or on what else is batched with it (up to the one static bit above),
+and a key is never shared between two different kinds of draw.
 """
 
 from __future__ import annotations
@@ -84,17 +89,26 @@ def _bits_per_pass(bits_per_pass):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_k", "top_p", "greedy", "seed"],
-    meta_fields=[],
+    meta_fields=["filtering"],
 )
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
-    """Per-lane sampling parameters; a pytree of [B] arrays (never static)."""
+    """Per-lane sampling parameters; a pytree of [B] arrays (never static), plus one static bit.
+
+    `filtering` (static, part of the pytree structure): may any lane use top-k / top-p? When
+    False the programs skip the filtering paths outright instead of testing for them on the
+    device: a `lax.cond` on the GPU copies its predicate to the host and drains the stream
+    (measured on the H200: about 77 us of idle GPU per cond, 8 conds per speculative iteration).
+    So a program has at most two compiled variants, with and without filtering lanes; they
+    agree to fp32 rounding (module docstring).
+    """
 
     temperature: Any  # [B] f32; only meaningful where not greedy
     top_k: Any  # [B] i32; 0 = off
     top_p: Any  # [B] f32; 1.0 = off
     greedy: Any  # [B] bool; temperature <= SAMPLING_EPS
     seed: Any  # [B] u32; the request's seed
+    filtering: bool = True  # static: False only when no lane samples with top-k or top-p
 
     @property
     def num_lanes(self) -> int:
@@ -138,12 +152,15 @@ class SamplingArrays:
             if isinstance(s, bool) or int(s) != s or not (0 <= s < _MAX_SEED):
                 raise ValueError(f"lane {lane}: seed must be an integer in [0, 2**32), got {s}")
         temperature = np.asarray(temperature, np.float32)
+        greedy = temperature <= SAMPLING_EPS
+        filtering = any((k > 0 or p < 1.0) and not g for k, p, g in zip(top_k, top_p, greedy))
         return cls(
             temperature=temperature,
             top_k=np.asarray([int(k) for k in top_k], np.int32),
             top_p=np.asarray(top_p, np.float32),
-            greedy=temperature <= SAMPLING_EPS,
+            greedy=greedy,
             seed=np.asarray([int(s) for s in seeds], np.uint32),
+            filtering=bool(filtering),
         )
 
     @classmethod
@@ -171,7 +188,7 @@ class SamplingArrays:
         extra = num_lanes - self.num_lanes
         if extra < 0:
             raise ValueError(f"cannot pad {self.num_lanes} lanes down to {num_lanes}")
-        pad = SamplingArrays.padding(extra)
+        pad = dataclasses.replace(SamplingArrays.padding(extra), filtering=self.filtering)
         return jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), b]), self, pad)
 
 
@@ -213,8 +230,9 @@ def _bit_search(threshold_shape, holds, bits_per_pass):
         num_holding = jnp.sum(holds(candidates), axis=-1, keepdims=True, dtype=jnp.uint32)
         return threshold | (num_holding << shift)
 
+    # Unrolled: a while loop on the GPU syncs with the host on every trip.
     return lax.fori_loop(0, 32 // bits_per_pass, refine,
-                         jnp.zeros(threshold_shape, jnp.uint32))
+                         jnp.zeros(threshold_shape, jnp.uint32), unroll=True)
 
 
 def _search_top_k(x_f32, top_k, bits_per_pass=None):
@@ -284,9 +302,12 @@ def _candidate_top_k_top_p(x_f32, top_k, top_p, use_top_p):
     return _ordered_uint32(jnp.where(use_top_p, p_threshold, k_threshold))
 
 
-@jax.jit
-def processed_logprobs(logits, temperature, top_k, top_p, greedy):
+@functools.partial(jax.jit, static_argnames=("filtering",))
+def processed_logprobs(logits, temperature, top_k, top_p, greedy, filtering: bool = True):
     """Log-probs [..., V] f32 of the distribution actually sampled (see module docstring).
+
+    filtering=False promises that no lane uses top-k / top-p (`SamplingArrays.filtering`): the
+    filtering paths are then left out of the program rather than skipped by a device test.
 
     logits: [B, ..., V] (any float dtype; processed in fp32). temperature / top_k / top_p /
     greedy: [B] per-lane parameters (or any shape that is a prefix of logits.shape[:-1]); they
@@ -328,7 +349,10 @@ def processed_logprobs(logits, temperature, top_k, top_p, greedy):
         p_cut = only(searched_p, lambda: _search_top_p(x_f32, x_max, top_p, k_cut))
         return jnp.maximum(jnp.maximum(small_cut, k_cut), p_cut)
 
-    cut = lax.cond(jnp.any(use_top_k | use_top_p), cuts, lambda: no_cut)
+    if filtering:
+        cut = lax.cond(jnp.any(use_top_k | use_top_p), cuts, lambda: no_cut)
+    else:
+        cut = no_cut
     keep = _ordered_uint32(x_f32) >= cut
     shifted = x_f32 - x_max
     log_z = jnp.log(jnp.sum(jnp.where(keep, jnp.exp(shifted), 0.0), axis=-1, keepdims=True))
@@ -341,7 +365,8 @@ def processed_logprobs(logits, temperature, top_k, top_p, greedy):
 
 def process(logits, arrays: SamplingArrays):
     """`processed_logprobs` with the parameters taken from a `SamplingArrays`."""
-    return processed_logprobs(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.greedy)
+    return processed_logprobs(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.greedy,
+                              filtering=arrays.filtering)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -91,12 +91,24 @@ def test_request_larger_than_pool_is_refused(model):
 
 
 def test_no_recompilation_after_warmup(model):
+    """Lengths and parameters never recompile; the first top-k / top-p request compiles each
+    program's filtering variant once (sampling.SamplingArrays.filtering), and only once."""
     eng = _engine(model)
+
+    def counts():
+        return compile_count(eng.programs.prefill), compile_count(eng.programs.decode)
+
     eng.generate(_requests([(10, 6)]))
-    counts = (compile_count(eng.programs.prefill), compile_count(eng.programs.decode))
+    plain = counts()
     eng.generate(_requests([(3, 2), (40, 11), (17, 30), (1, 5), (25, 9)], temperature=0.7))
+    assert counts() == plain
     eng.generate([Request([1, 2, 3], temperature=1.0, top_k=5, top_p=0.9, max_tokens=8)])
-    assert (compile_count(eng.programs.prefill), compile_count(eng.programs.decode)) == counts
+    filtered = counts()
+    assert all(f <= p + 1 for f, p in zip(filtered, plain))
+    eng.generate(_requests([(5, 7), (30, 12)], temperature=0.9)
+                 + [Request([4, 5], temperature=0.5, top_p=0.8, max_tokens=9)])
+    eng.generate(_requests([(12, 3)], temperature=0.0))
+    assert counts() == filtered
 
 
 def test_seeded_request_alone_or_batched_gives_same_tokens(model):

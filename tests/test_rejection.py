@@ -9,6 +9,8 @@ top-p), independently across positions. Two broken samplers (accept-all; residua
 instead of max(p - q, 0)) must fail the very same checks.
 """
 
+import dataclasses
+
 import functools
 
 import jax
@@ -138,7 +140,7 @@ def test_wrapper_matches_core_and_a_request_is_independent_of_its_batch():
     n = np.asarray(out.num_emitted)
     assert np.all((1 <= n) & (n <= num_draft + 1))
     # Each lane again, alone among greedy padding lanes (same shapes: no recompile).
-    padding = SamplingArrays.padding(lanes)
+    padding = dataclasses.replace(SamplingArrays.padding(lanes), filtering=arrays.filtering)
     for lane in range(lanes):
         put = lambda pad, mine: np.concatenate(
             [np.asarray(pad)[:lane], np.asarray(mine)[lane:lane + 1],

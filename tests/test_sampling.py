@@ -1,5 +1,7 @@
 """Sampler: exact processed distributions, sampling law, keys and batch independence (CPU)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,20 +200,44 @@ def test_candidate_and_search_paths_agree():
         np.testing.assert_array_equal(cand_kp, search_kp)
 
 
-def test_changing_parameters_does_not_recompile():
+def test_changing_parameters_compiles_at_most_twice():
+    """Parameters are arrays; only the static bit "does any lane filter" picks a second variant."""
     traces = []
 
     @jax.jit
     def step(logits, arrays, positions):
-        traces.append(1)
+        traces.append(arrays.filtering)
         return sampling.sample(logits, arrays, positions)
 
     logits = jnp.zeros((4, 32))
-    for arrays in (lane_arrays(4, 1.0), lane_arrays(4, 0.0, seed=3), lane_arrays(4, 0.7, 5, 0.9),
-                   SamplingArrays.from_lists([0.0, 1.0, 0.5, 2.0], [0, 3, 0, 7],
-                                             [1.0, 1.0, 0.3, 0.9], [1, 2, 3, 4])):
+    plain = (lane_arrays(4, 1.0), lane_arrays(4, 0.0, seed=3), lane_arrays(4, 0.5, seed=9),
+             SamplingArrays.from_lists([0.0, 0.0], [5, 0], [0.3, 1.0]).pad_to(4))  # greedy: no cut
+    filtered = (lane_arrays(4, 0.7, 5, 0.9),
+                SamplingArrays.from_lists([0.0, 1.0, 0.5, 2.0], [0, 3, 0, 7],
+                                          [1.0, 1.0, 0.3, 0.9], [1, 2, 3, 4]),
+                SamplingArrays.from_lists([1.0], [0], [0.8]).pad_to(4))
+    for arrays in plain + filtered:
         jax.block_until_ready(step(logits, arrays, jnp.arange(4)))
-    assert len(traces) == 1
+    assert [a.filtering for a in plain] == [False] * 4 and [a.filtering for a in filtered] == [True] * 3
+    assert traces == [False, True]
+
+
+def test_unfiltered_variant_is_the_same_law():
+    """Leaving the filtering paths out (no lane filters) gives the same law: XLA fuses the two
+    programs differently, so the log-probs agree to fp32 rounding, not bit for bit."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 64)) * 3
+    arrays = SamplingArrays.from_lists([1.0, 0.0, 0.6])
+    assert not arrays.filtering
+    a = sampling.process(logits, arrays)
+    b = sampling.process(logits, dataclasses.replace(arrays, filtering=True))
+    np.testing.assert_array_equal(np.isinf(np.asarray(a)), np.isinf(np.asarray(b)))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    # ...and the bit is what it claims: with a top-k lane the unfiltered variant would differ.
+    k = SamplingArrays.from_lists([1.0, 1.0, 1.0], [4, 0, 0])
+    assert k.filtering
+    cut = np.asarray(sampling.process(logits, k))
+    uncut = np.asarray(sampling.process(logits, dataclasses.replace(k, filtering=False)))
+    assert np.isinf(cut[0]).sum() > 0 and not np.isinf(uncut[0]).any()
 
 
 # ---------------------------------------------------------------------------- sampling law
