@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jspec.config import Qwen3Config
+from jspec.kernels.linear import check_impl
 from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
 from jspec.qwen3 import Qwen3, fuse_projections
 from jspec.sampling import SamplingArrays
@@ -90,6 +91,9 @@ class EngineConfig:
     prefill_chunk: int = 256
     decode_steps: int = 16  # decode steps (or speculative iterations) per dispatch
     attn_impl: str = "auto"
+    # GPU only: the target's matmuls and attention through batch-invariant kernels, so that a
+    # verify row and a decode row compute the same bits (kernels/linear.py). Not yet measured.
+    batch_invariant: bool = False
 
     # Positions a step may write past the committed length (verify writes K+1); set by Engine.
     step_width: int = 1
@@ -123,7 +127,16 @@ class Engine:
         # block when it is wider (its keys are written past the committed length too).
         width = max(self.num_draft + 1, draft_cfg.block_size) if drafter is not None else 1
         self.ecfg = engine_cfg = dataclasses.replace(engine_cfg, step_width=width)
-        fuse_projections(model.layers)  # serving layout, in place (idempotent)
+        linear_impl, attn_impl = "xla", engine_cfg.attn_impl
+        if engine_cfg.batch_invariant:
+            check_impl("triton")
+            if attn_impl not in ("auto", "triton", "triton_invariant"):
+                raise ValueError(f"batch_invariant needs the Triton attention kernel, not {attn_impl!r}")
+            linear_impl, attn_impl = "triton", "triton_invariant"
+        # Serving layout, in place (idempotent); the module attributes become part of the graphdef
+        # split below, so an engine built later with other choices does not change this one.
+        fuse_projections(model.layers, linear_impl=linear_impl)
+        model.linear_impl = linear_impl
         if drafter is not None:
             fuse_projections(drafter.layers, qkv=False)
         graphdef, target_params = nnx.split(model)
@@ -134,7 +147,7 @@ class Engine:
             self.params = target_params
             self.caches = init_kv_caches(self.cache_shape)
             self.programs = shared_programs(StockPrograms, graphdef, engine_cfg.page_size,
-                                            self.eos_ids, engine_cfg.attn_impl)
+                                            self.eos_ids, attn_impl)
         else:
             from jspec.spec_steps import SpecPrograms
             draft_cfg.check_fits(cfg)
@@ -146,7 +159,7 @@ class Engine:
             self.caches = (init_kv_caches(self.cache_shape), init_kv_caches(self.draft_cache_shape))
             self.programs = shared_programs(SpecPrograms, graphdef, draft_graphdef, draft_cfg,
                                             engine_cfg.page_size, self.eos_ids,
-                                            engine_cfg.attn_impl, self.num_draft)
+                                            attn_impl, self.num_draft)
         self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
         self._admissions = itertools.count(1)
         self.stats = collections.Counter()

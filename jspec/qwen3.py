@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.config import Qwen3Config
+from jspec.kernels.linear import linear
 
 Array = jax.Array
 # attention(layer_idx, q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], layer_cache) -> (out [B,T,Hq,hd], layer_cache)
@@ -75,6 +76,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.rope_theta = cfg.rope_theta
+        self.linear_impl = "xla"  # kernels/linear.py; fuse_projections sets the serving choice
 
     @property
     def fused(self) -> bool:
@@ -96,7 +98,12 @@ class Attention(nnx.Module):
         dt = x_btd.dtype
         if self.fused:
             Hq, Hkv = self.num_q_heads, (self.qkv_proj.shape[0] - self.num_q_heads) // 2
-            qkv = jnp.einsum("btd,hkd->bthk", x_btd, self.qkv_proj[...], preferred_element_type=f32)
+            w = self.qkv_proj[...]
+            if self.linear_impl == "xla":
+                qkv = jnp.einsum("btd,hkd->bthk", x_btd, w, preferred_element_type=f32)
+            else:
+                qkv = linear(x_btd, w.reshape(-1, w.shape[-1]), self.linear_impl).reshape(
+                    x_btd.shape[:2] + w.shape[:2])
             q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:].astype(dt)
         else:
             q = jnp.einsum("btd,hkd->bthk", x_btd, self.q_proj[...], preferred_element_type=f32)
@@ -108,6 +115,10 @@ class Attention(nnx.Module):
 
     def out(self, attn_bthk: Array) -> Array:
         """fp32: it is added to the fp32 residual stream without a rounding of its own."""
+        if self.linear_impl != "xla":
+            w = self.o_proj[...]
+            return linear(attn_bthk.reshape(attn_bthk.shape[:2] + (-1,)), w.reshape(w.shape[0], -1),
+                          self.linear_impl)
         return jnp.einsum("bthk,dhk->btd", attn_bthk, self.o_proj[...],
                           preferred_element_type=jnp.float32)
 
@@ -118,6 +129,7 @@ class MLP(nnx.Module):
         self.gate_proj = nnx.Param(_normal(rngs, (F, D), dtype))
         self.up_proj = nnx.Param(_normal(rngs, (F, D), dtype))
         self.down_proj = nnx.Param(_normal(rngs, (D, F), dtype))
+        self.linear_impl = "xla"
 
     @property
     def fused(self) -> bool:
@@ -133,26 +145,36 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: Array) -> Array:
         f32 = jnp.float32
+        impl = self.linear_impl
         if self.fused:
-            gate_up = jnp.einsum("btd,fd->btf", x_btd, self.gate_up_proj[...], preferred_element_type=f32)
+            if impl == "xla":
+                gate_up = jnp.einsum("btd,fd->btf", x_btd, self.gate_up_proj[...],
+                                     preferred_element_type=f32)
+            else:
+                gate_up = linear(x_btd, self.gate_up_proj[...], impl)
             gate_btf, up_btf = jnp.split(gate_up, 2, axis=-1)
         else:
             gate_btf = jnp.einsum("btd,fd->btf", x_btd, self.gate_proj[...], preferred_element_type=f32)
             up_btf = jnp.einsum("btd,fd->btf", x_btd, self.up_proj[...], preferred_element_type=f32)
         act = (jax.nn.silu(gate_btf) * up_btf).astype(x_btd.dtype)
+        if impl != "xla":
+            return linear(act, self.down_proj[...], impl)
         return jnp.einsum("btf,df->btd", act, self.down_proj[...],
                           preferred_element_type=jnp.float32)  # into the fp32 residual
 
 
-def fuse_projections(layers, *, qkv: bool = True) -> None:
+def fuse_projections(layers, *, qkv: bool = True, linear_impl: str = "xla") -> None:
     """Serving layout, in place: gate+up (and q+k+v when `qkv`) of every decoder layer become one
     weight each, one layer at a time (peak memory grows by one layer's projections). Checkpoint
     keys map to the unfused layout; training and conversion use it. The drafter keeps q/k/v apart:
-    its context path reads k_proj and v_proj alone."""
+    its context path reads k_proj and v_proj alone. `linear_impl` ("xla" | "triton", see
+    kernels/linear.py) is what the layers' matmuls run on from now on."""
     for layer in layers:
         layer.mlp.fuse()
+        layer.mlp.linear_impl = linear_impl
         if qkv:
             layer.self_attn.fuse()
+            layer.self_attn.linear_impl = linear_impl
 
 
 class DecoderLayer(nnx.Module):
@@ -198,6 +220,9 @@ class Qwen3(nnx.Module):
         return self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
 
     def logits(self, hidden_btd: Array) -> Array:
+        impl = getattr(self, "linear_impl", "xla")
+        if impl != "xla":
+            return linear(hidden_btd, self.head_weight(), impl)
         return jnp.einsum("...d,vd->...v", hidden_btd, self.head_weight(),
                           preferred_element_type=jnp.float32)
 

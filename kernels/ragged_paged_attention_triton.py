@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 NUM_SMS_DEFAULT = 132  # H100 / H200
+INVARIANT_BLOCK_Q = 8  # the batch-invariant plan's queries per tile: DSpark's verify block (K = 7)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,6 +64,7 @@ def _rpa_fwd_kernel(
     NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of TF32
+    SPLIT_TILES: tl.constexpr,  # > 0: splits start at fixed tile multiples (batch-invariant plan)
 ):
     lane_qblock = tl.program_id(0)  # axis 0: the only grid axis allowed more than 65535
     kv_head = tl.program_id(1)
@@ -97,7 +99,10 @@ def _rpa_fwd_kernel(
         kv_hi = kv_len
     kv_hi = tl.maximum(kv_hi, 0)
     num_tiles = tl.cdiv(kv_hi, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    if SPLIT_TILES > 0:
+        tiles_per_split = SPLIT_TILES  # boundaries fixed by position, not by this block's length
+    else:
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -243,6 +248,7 @@ class Plan:
     num_stages: int
     causal: bool
     ieee_dot: bool
+    split_tiles: int = 0  # > 0: the batch-invariant plan's fixed split size, in BLOCK_N tiles
 
     @property
     def group(self) -> int:
@@ -258,7 +264,8 @@ class Plan:
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, HEAD_DIM=self.head_dim,
             PAGE_SIZE=self.page_size, PAGES_PER_LANE=self.pages_per_lane, BLOCK_Q=self.block_q,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n, Q_BLOCKS=self.q_blocks,
-            NUM_SPLITS=self.num_splits, CAUSAL=self.causal, IEEE_DOT=self.ieee_dot)
+            NUM_SPLITS=self.num_splits, CAUSAL=self.causal, IEEE_DOT=self.ieee_dot,
+            SPLIT_TILES=self.split_tiles)
 
     def merge_constexprs(self) -> dict:
         return dict(
@@ -272,8 +279,16 @@ def make_plan(
     page_size: int, pages_per_lane: int, max_q_len: int | None, causal: bool, ieee_dot: bool,
     block_q: int | None = None, block_n: int | None = None, num_splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, num_sms: int | None = None,
+    invariant: bool = False,
 ) -> Plan:
-    """Tile sizes and split count. Overrides (None = heuristic) are for benchmarks and tests."""
+    """Tile sizes and split count. Overrides (None = heuristic) are for benchmarks and tests.
+
+    invariant=True: a query's output bits do not depend on how many queries its lane brings
+    (decode's 1 vs verify's up to INVARIANT_BLOCK_Q) nor on how many tokens the call has. The
+    tile shape is the same for both (block_q = INVARIANT_BLOCK_Q, so decode computes a tile of
+    mostly padding rows), and splits start at fixed multiples of `split_tiles`, chosen from the
+    lanes, kv heads and cache capacity only. Keys past a query's position are masked to exact
+    zeros, so the extra tiles and splits a longer block visits change nothing for it."""
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {head_dim}")
     if num_q_heads % num_kv_heads:
@@ -283,9 +298,12 @@ def make_plan(
 
     # Rows per tile: all of a verify block's queries x heads in one tile (<= 64 rows); long
     # prefill blocks take 128 rows of queries x heads (64 in fp32, whose FMA dots spill).
+    if block_q is None and invariant and max_q <= INVARIANT_BLOCK_Q:
+        block_q = INVARIANT_BLOCK_Q
     if block_q is None:
         block_q = max_q if max_q * group <= 64 else max(1, (64 if ieee_dot else 128) // group)
-    block_q = max(1, min(block_q, max_q))
+    if not (invariant and max_q <= INVARIANT_BLOCK_Q):
+        block_q = max(1, min(block_q, max_q))
     block_m = max(16, _next_pow2(block_q * group))
     q_blocks = -(-max_q // block_q)
 
@@ -297,6 +315,14 @@ def make_plan(
 
     kv_cap = pages_per_lane * page_size
     max_tiles = max(1, -(-kv_cap // block_n))
+    split_tiles = 0
+    if invariant and num_splits is None:
+        sms = num_sms or NUM_SMS_DEFAULT
+        want = min(64, max(1, -(-8 * sms // (num_lanes * num_kv_heads))))
+        split_tiles = max(2, _next_pow2(-(-max_tiles // want)))
+        num_splits = -(-max_tiles // split_tiles)
+        if num_splits * num_tokens * num_q_heads * head_dim >= 2**31:  # int32 offsets
+            split_tiles, num_splits = max_tiles, 1
     if num_splits is None:
         # Flash decoding: enough equal programs for several waves over the SMs, so the last wave
         # is a small share of the time (a 32-lane x 8-kv-head decode is only 256 programs).
@@ -324,7 +350,8 @@ def make_plan(
                 num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                 pages_per_lane=pages_per_lane, block_q=block_q, block_m=block_m,
                 block_n=block_n, q_blocks=q_blocks, num_splits=num_splits, num_warps=num_warps,
-                num_stages=num_stages, causal=bool(causal), ieee_dot=bool(ieee_dot))
+                num_stages=num_stages, causal=bool(causal), ieee_dot=bool(ieee_dot),
+                split_tiles=split_tiles)
 
 
 def _plan_for(q_shape, pages_shape, page_table_shape, q_dtype, *, causal, max_q_len, **overrides):

@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--taps", default="1,9,17,25,33")
     ap.add_argument("--skip-stock", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant")
     ap.add_argument("--skip-iteration", action="store_true", help="only the draft / verify split")
     ap.add_argument("--split-lanes", default="1", help="lane counts at which draft and verify "
                     "are also timed alone (at the first context)")
@@ -113,7 +114,8 @@ def main():
     def ecfg_for(width):
         return EngineConfig(max_lanes=max_lanes, page_size=args.page_size,
                             max_context=max(contexts) + (args.steps + 1) * width,
-                            decode_steps=args.steps, attn_impl=args.attn_impl)
+                            decode_steps=args.steps, attn_impl=args.attn_impl,
+                            batch_invariant=args.batch_invariant)
 
     if not args.skip_stock:
         eng = Engine(cfg, target, (), ecfg_for(1))

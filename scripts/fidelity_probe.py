@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--attn-impl", default="auto")
     ap.add_argument("--label", default="")
+    ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -45,7 +46,8 @@ def main() -> None:
     length = -(-args.tokens // width) * width
     fixed = W.fixed_texts(tok, W.prompt_texts(), args.texts, length)
     ctx = max(len(p) + len(c) for p, c in fixed) + 2 * width
-    ecfg = EngineConfig(max_lanes=1, page_size=16, max_context=ctx, attn_impl=args.attn_impl)
+    ecfg = EngineConfig(max_lanes=1, page_size=16, max_context=ctx, attn_impl=args.attn_impl,
+                        batch_invariant=args.batch_invariant)
     stock = Engine(cfg, model, tok.eos_ids, ecfg)
     spec = Engine(cfg, model, tok.eos_ids, ecfg, drafter=drafter, draft_cfg=dcfg)
     diffs = []
@@ -54,7 +56,7 @@ def main() -> None:
         b = teacher_forced_logprobs(spec, prompt, cont)
         diffs.append(np.abs(np.asarray(b, np.float64) - np.asarray(a, np.float64)))
     d = np.concatenate(diffs)
-    rec = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": str(model_dir),
+    rec = {"label": args.label, "batch_invariant": args.batch_invariant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": str(model_dir),
            "dtype": args.dtype, "texts": args.texts, "tokens": int(d.size),
            "mean": float(d.mean()), "max": float(d.max()), "exact_share": float((d == 0).mean()),
            "backend": jax.devices()[0].platform, "wall_s": time.time() - t0}

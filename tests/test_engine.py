@@ -212,3 +212,10 @@ def test_cli_generate_not_a_model_dir(tmp_path, capsys):
     from jspec.cli import main
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
     assert "not a model directory" in capsys.readouterr().err
+
+
+def test_batch_invariant_engine_is_refused_without_a_gpu(model):
+    if jax.default_backend() == "gpu":
+        pytest.skip("this checks the CPU refusal")
+    with pytest.raises(ValueError, match="NVIDIA GPU"):
+        _engine(model, batch_invariant=True)

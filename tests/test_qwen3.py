@@ -284,3 +284,34 @@ def test_fused_projections_compute_the_same_model(hf_tiny_dirs):
     for a, b in zip(tapped_after, tapped_before):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     assert np.abs(np.asarray(before)).max() > 0.1  # not a vacuous comparison of zeros
+
+
+def test_linear_impl_plumbing_gives_the_same_model(hf_tiny_dirs, monkeypatch):
+    """The serving layout's other matmul route (kernels/linear.py "triton": 2-D x [M, K] @ w [N, K]^T,
+    GPU only) gets its operands reshaped right: with the kernel stood in for by the XLA twin (and
+    a check that every call is 2-D), logits and taps equal the default route's."""
+    import jspec.kernels.linear_triton as lt
+    from jspec.kernels.linear import linear_xla
+    from jspec.qwen3 import fuse_projections
+    calls = []
+
+    def stand_in(x, w, **kw):
+        assert x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[1]
+        calls.append(w.shape)
+        return linear_xla(x, w)
+
+    monkeypatch.setattr(lt, "linear_triton", stand_in)
+    cfg, model = load_model(hf_tiny_dirs["tiny-untied"])
+    tokens = jnp.asarray(_tokens(cfg))
+    fuse_projections(model.layers)
+    want, want_taps = forward_logits(model, tokens, tap_layers=(0, 2))
+    fuse_projections(model.layers, linear_impl="triton")
+    model.linear_impl = "triton"
+    got, got_taps = forward_logits(model, tokens, tap_layers=(0, 2))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_taps, want_taps):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    assert len(calls) == 4 * cfg.num_layers + 1 and calls[-1] == (V, D)
+    assert calls[:4] == [((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, D),
+                         (D, cfg.num_heads * cfg.head_dim), (2 * F, D), (D, F)]

@@ -78,6 +78,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--spec-decode-steps", type=int, default=2, help="speculative iterations per "
                    "dispatch")
     p.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "triton"])
+    p.add_argument("--batch-invariant", action="store_true", help="GPU: the target's matmuls and "
+                   "attention through batch-invariant kernels in both engines (verify rows and "
+                   "decode rows compute the same bits)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="target dtype (default: the checkpoint's)")
     p.add_argument("--fresh", action="store_true", help="delete earlier parts in --out first")
@@ -100,6 +103,8 @@ def command_line(args) -> str:
               "--spec-decode-steps", str(args.spec_decode_steps), "--attn-impl", args.attn_impl]
     if args.dtype:
         words += ["--dtype", args.dtype]
+    if getattr(args, "batch_invariant", False):
+        words.append("--batch-invariant")
     return " ".join(shlex.quote(w) for w in words)
 
 
@@ -205,7 +210,8 @@ class Bench:
                     "num_draft_tokens": args.num_draft_tokens, "page_size": args.page_size,
                     "prefill_chunk": args.prefill_chunk, "attn_impl": args.attn_impl,
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
-                    "dtype": args.dtype, "commit": commit}
+                    "dtype": args.dtype, "commit": commit,
+                    "batch_invariant": bool(getattr(args, "batch_invariant", False))}
         self.git = {"commit": commit, "dirty": dirty}
         self.env = None
 
@@ -330,7 +336,8 @@ class Bench:
             num_pages = W.busy_num_pages([len(p) for p in prompts], spec.lanes,
                                          spec.max_new_tokens, a.page_size, window)
         base = dict(max_lanes=spec.lanes, page_size=a.page_size, max_context=max_context,
-                    num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl)
+                    num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl,
+                    batch_invariant=bool(getattr(a, "batch_invariant", False)))
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
                 EngineConfig(decode_steps=a.spec_decode_steps, **base))
 

@@ -1,0 +1,47 @@
+"""The model's linear layers behind one interface: y = x @ w^T with fp32 accumulation.
+
+    linear(x[..., K], w[N, K], impl) -> fp32 [..., N]
+
+  "xla"     jnp.einsum with fp32 accumulation (the default; the CPU path and the test oracle).
+            XLA picks its GEMM by shape, so a row's bits depend on how many rows share the GEMM.
+  "triton"  linear_triton.py: batch-invariant (a row's bits never depend on the row count), so
+            speculative verify (8 rows per lane) and stock decode (1 row) compute the target
+            identically. GPU only, through jax-triton.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LINEAR_IMPLS = ("xla", "triton")
+
+
+def linear_xla(x, w):
+    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
+
+
+def linear(x, w, impl: str = "xla"):
+    """x [..., K], w [N, K] -> fp32 [..., N]."""
+    if impl == "xla":
+        return linear_xla(x, w)
+    if impl == "triton":
+        from jspec.kernels.linear_triton import linear_triton
+        lead = x.shape[:-1]
+        y = linear_triton(x.reshape(-1, x.shape[-1]), w)
+        return y.reshape(lead + (w.shape[0],))
+    raise ValueError(f"linear impl must be one of {LINEAR_IMPLS}, got {impl!r}")
+
+
+def check_impl(impl: str) -> None:
+    """Refuse an impl this machine cannot run, naming why (before anything is compiled)."""
+    if impl not in LINEAR_IMPLS:
+        raise ValueError(f"linear impl must be one of {LINEAR_IMPLS}, got {impl!r}")
+    if impl == "triton":
+        if jax.default_backend() != "gpu":
+            raise ValueError("batch-invariant linear layers (impl 'triton') need an NVIDIA GPU; "
+                             f"this backend is {jax.default_backend()}")
+        try:
+            import jax_triton  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"batch-invariant linear layers need jax-triton: {e}") from e
