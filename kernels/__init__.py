@@ -1,4 +1,4 @@
-"""Attention kernels behind one interface, each with an XLA reference twin.
+"""Kernels behind small interfaces, each with an XLA reference twin (attention, linear layers).
 
     ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, *, sm_scale,
                            causal=True, max_q_len=None, impl="auto")
@@ -9,6 +9,9 @@ Modules:
   ragged_paged_attention_triton.py  the GPU kernel (Triton via jax-triton); imports triton, so it
                                     is imported only when impl="triton" is chosen
   kv_cache_write.py                 write_kv, a plain XLA scatter into the page pools
+  linear.py                         the model's matmuls: linear(x, w, impl) with its XLA twin
+  linear_triton.py                  batch-invariant Triton matmul (a row's bits never depend on
+                                    the row count), for EngineConfig.batch_invariant on the GPU
 
 TPU: no Pallas TPU kernel yet; impl="pallas_tpu" raises NotImplementedError and impl="auto" on a
 TPU uses the XLA reference. Why not now: the GPU kernel came first and the Pallas TPU version is a
