@@ -12,14 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from test_kernels_gpu import _need_gpu  # noqa: F401  (module fixture: skip without a GPU)
+
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _need_gpu():
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    pytest.importorskip("jax_triton")
 
 
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288),

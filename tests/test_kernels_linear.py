@@ -15,6 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from test_kernels_attention import _triton_available
+
 # (M, N, K, dtype, block_n): K not a multiple of BLOCK_K, N not of block_n, M of 1..40 rows.
 SHAPES = [(1, 48, 200, "float32", None), (3, 64, 128, "float32", 16), (17, 40, 300, "float32", 32),
           (8, 128, 256, "bfloat16", None), (40, 24, 96, "bfloat16", 16), (1, 16, 1, "float32", None)]
@@ -30,15 +32,6 @@ def _inputs(i, M, N, K, dtype):
         x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
         w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
     return x, w
-
-
-def _triton_available() -> bool:
-    try:
-        import torch  # noqa: F401
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
