@@ -65,9 +65,12 @@ class LLM:
                  num_draft_tokens: int | None = None, dtype: str | None = None, max_lanes: int = 8,
                  max_context: int = 4096, page_size: int = 16, num_pages: int | None = None,
                  decode_steps: int | None = None, prefill_chunk: int = 256, attn_impl: str = "auto",
-                 progress: bool = False):
+                 batch_invariant: bool = False, progress: bool = False):
         """`draft`: a DSpark / DFlash drafter directory for `model`; speculative decoding then
-        proposes `num_draft_tokens` (default: the drafter's block size) tokens per step."""
+        proposes `num_draft_tokens` (default: the drafter's block size) tokens per step.
+        `batch_invariant` (GPU): the target's matmuls and attention through batch-invariant
+        kernels, so its numbers never depend on what is batched with a request or on how many
+        tokens a step verifies (EngineConfig.batch_invariant)."""
         from jspec.loading import load_drafter, load_model
         from jspec.tokenizer import Tokenizer
 
@@ -90,7 +93,8 @@ class LLM:
             decode_steps = 2 if drafter is not None else 16
         self.engine = Engine(self.cfg, model_module, self.tokenizer.eos_ids, EngineConfig(
             max_lanes=max_lanes, page_size=page_size, max_context=max_context, num_pages=num_pages,
-            prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl),
+            prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl,
+            batch_invariant=batch_invariant),
             drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens)
         self._seeds = np.random.default_rng()
 

@@ -34,7 +34,8 @@ def _cmd_generate(args) -> int:
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
-              max_lanes=args.max_lanes, max_context=args.max_context, attn_impl=args.attn_impl)
+              max_lanes=args.max_lanes, max_context=args.max_context, attn_impl=args.attn_impl,
+              batch_invariant=args.batch_invariant)
     stream = not args.json and len(prompts) == 1
 
     def on_text(i, text):
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lanes", type=int, default=8)
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "triton"])
+    p.add_argument("--batch-invariant", action="store_true", help="GPU: batch-invariant target "
+                   "kernels (a request's numbers never depend on its batch or the verify width)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=_cmd_generate)
 

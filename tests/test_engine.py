@@ -197,7 +197,8 @@ def test_cli_generate_json(tiny_dir, capsys):
 
 @pytest.mark.parametrize("extra,message", [
     (["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"), (["--top-k", "-2"], "top_k"),
-    (["--prompt", ""], "empty"), (["--prompt", "x " * 400], "maximum context")])
+    (["--prompt", ""], "empty"), (["--prompt", "x " * 400], "maximum context"),
+    (["--batch-invariant"], "NVIDIA GPU" if jax.default_backend() != "gpu" else "Triton attention")])
 def test_cli_generate_bad_input_one_line_error(tiny_dir, capsys, extra, message):
     from jspec.cli import main
     args = ["generate", "--model", str(tiny_dir), "--max-context", "128", "--attn-impl", "xla"]
