@@ -348,7 +348,8 @@ def instr_info(hlo: dict, name: str, dims: dict, cache: dict) -> dict | None:
         return None
     inner = list(_inner(hlo, ins)) if ins.opcode in ("fusion", "call") else []
     dots = [i for i in [ins] + inner if i.opcode in ("dot", "convolution") or
-            (i.opcode == "custom-call" and i.custom_call_target in GEMM_TARGETS)]
+            (i.opcode == "custom-call" and (i.custom_call_target in GEMM_TARGETS
+                                            or "linear_bi" in i.op_name))]  # kernels/linear.py
     names = [ins.op_name]
     if dots:
         names.insert(0, dots[0].op_name)
@@ -967,6 +968,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec", action="store_true", help="profile the speculative iteration")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--attn-impl", default="auto")
+    ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--taps", default="1,9,17,25,33")
@@ -1035,7 +1037,8 @@ def main(argv=None) -> dict:
     eng = Engine(cfg, target, (), EngineConfig(
         max_lanes=args.lanes, page_size=args.page_size,
         max_context=args.context + (args.steps + 1) * width, decode_steps=args.steps,
-        attn_impl=args.attn_impl), drafter=drafter, draft_cfg=dcfg)
+        attn_impl=args.attn_impl, batch_invariant=args.batch_invariant), drafter=drafter,
+        draft_cfg=dcfg)
     width = eng.ecfg.step_width if args.spec else 1
 
     def random_caches(caches, seed):
