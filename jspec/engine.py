@@ -110,7 +110,10 @@ class Engine:
     def __init__(self, cfg: Qwen3Config, model: Qwen3, eos_ids: Sequence[int],
                  engine_cfg: EngineConfig = EngineConfig(), drafter=None, draft_cfg=None,
                  num_draft: int | None = None):
-        """Stock decoding, or speculative decoding when a DSpark/DFlash `drafter` is given."""
+        """Stock decoding, or speculative decoding when a DSpark/DFlash `drafter` is given.
+
+        The engine takes the modules over: it puts them in the serving layout in place
+        (`qwen3.fuse_projections`; `unfuse_projections` restores the checkpoint layout)."""
         self.cfg = cfg
         if engine_cfg.max_context > cfg.max_position_embeddings:
             raise ValueError(f"max_context {engine_cfg.max_context} exceeds the model's "

@@ -131,6 +131,9 @@ def _names(names: list[str], limit: int = 8) -> str:
 
 def save_orbax(model: nnx.Module, path: Path) -> None:
     import orbax.checkpoint as ocp
+
+    from jspec.qwen3 import unfuse_projections
+    unfuse_projections(model)  # checkpoints hold the checkpoint layout, never the serving one
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(Path(path).absolute(), params)

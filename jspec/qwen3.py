@@ -93,6 +93,18 @@ class Attention(nnx.Module):
         self.num_q_heads = self.q_proj.shape[0]
         del self.q_proj, self.k_proj, self.v_proj
 
+    def unfuse(self) -> None:
+        """Back to the checkpoint layout (q_proj, k_proj, v_proj); the exact inverse of fuse."""
+        if not self.fused:
+            return
+        w = self.qkv_proj[...]
+        Hq, Hkv = self.num_q_heads, (w.shape[0] - self.num_q_heads) // 2
+        self.q_proj = nnx.Param(w[:Hq])
+        self.k_proj = nnx.Param(w[Hq:Hq + Hkv])
+        self.v_proj = nnx.Param(w[Hq + Hkv:])
+        del self.qkv_proj
+        self.linear_impl = "xla"
+
     def qkv(self, x_btd: Array, positions_bt: Array) -> tuple[Array, Array, Array]:
         f32 = jnp.float32
         dt = x_btd.dtype
@@ -143,6 +155,15 @@ class MLP(nnx.Module):
         self.gate_up_proj = nnx.Param(jnp.concatenate([self.gate_proj[...], self.up_proj[...]], axis=0))
         del self.gate_proj, self.up_proj
 
+    def unfuse(self) -> None:
+        """Back to gate_proj and up_proj; the exact inverse of fuse."""
+        if not self.fused:
+            return
+        gate, up = jnp.split(self.gate_up_proj[...], 2, axis=0)
+        self.gate_proj, self.up_proj = nnx.Param(gate), nnx.Param(up)
+        del self.gate_up_proj
+        self.linear_impl = "xla"
+
     def __call__(self, x_btd: Array) -> Array:
         f32 = jnp.float32
         impl = self.linear_impl
@@ -175,6 +196,17 @@ def fuse_projections(layers, *, qkv: bool = True, linear_impl: str = "xla") -> N
         if qkv:
             layer.self_attn.fuse()
             layer.self_attn.linear_impl = linear_impl
+
+
+def unfuse_projections(model) -> None:
+    """The checkpoint layout again, in place, for every decoder layer of a target or a drafter
+    (an engine put them in the serving layout; checkpoint writers call this first). Engines
+    built before keep their own parameters: they took them when they split the model."""
+    for layer in model.layers:
+        layer.mlp.unfuse()
+        layer.self_attn.unfuse()
+    if hasattr(model, "linear_impl"):
+        model.linear_impl = "xla"
 
 
 class DecoderLayer(nnx.Module):

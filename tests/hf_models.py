@@ -76,7 +76,9 @@ def save_drafter_checkpoint(drafter, dcfg, out_dir: Path, target=None) -> None:
     from safetensors.numpy import save_file
 
     from jspec.dspark import drafter_checkpoint_shapes
+    from jspec.qwen3 import unfuse_projections
 
+    unfuse_projections(drafter)  # an engine may have put it in the serving layout
     params = nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
     tensors = {}
     for key, (shape, path) in drafter_checkpoint_shapes(dcfg).items():

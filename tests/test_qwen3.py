@@ -284,6 +284,14 @@ def test_fused_projections_compute_the_same_model(hf_tiny_dirs):
     for a, b in zip(tapped_after, tapped_before):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     assert np.abs(np.asarray(before)).max() > 0.1  # not a vacuous comparison of zeros
+    # ...and back: the checkpoint layout, bit for bit (what checkpoint writers rely on).
+    from jspec.qwen3 import unfuse_projections
+    unfuse_projections(model)
+    unfuse_projections(model)
+    assert not hasattr(attn, "qkv_proj") and not hasattr(mlp, "gate_up_proj")
+    np.testing.assert_array_equal(np.asarray(attn.q_proj[...]), q0)
+    assert attn.v_proj.shape == (cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
+    assert mlp.up_proj.shape == (cfg.intermediate_size, cfg.hidden_size)
 
 
 def test_linear_impl_plumbing_gives_the_same_model(hf_tiny_dirs, monkeypatch):
