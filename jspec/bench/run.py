@@ -23,7 +23,9 @@ run too long for one command can be split: `--workloads peer`, `--workloads solo
 `--workloads team`, `--workloads busy` into one --out give the same record as one invocation.
 
 Peak device memory: JAX's allocator statistics keep one process-wide peak. The stock engine is
-built and warmed first; its peak is the process peak then. The speculative engine is built next
+built and warmed first; its peak is the process peak then, minus the drafter's own weights (loaded
+at start and resident throughout, but not stock's: counting them for stock would hide them from
+the difference). The speculative engine is built next
 while stock's KV pool is still alive, so its peak is the process peak after its warm-up minus
 the bytes of stock's pool (an upper bound if the peak did not rise; `exact` says which).
 Workloads run in ascending footprint (solo, team, busy), so busy's peaks are new highs. On CPU
@@ -425,7 +427,10 @@ class Bench:
 
         peak = None  # reused engines: both pools were alive throughout, no per-engine peak
         if mem0 and mem1 and mem2 and not reuse:
-            peak = {"stock": mem1["peak"], "spec": mem2["peak"] - stock_pool,
+            from flax import nnx
+            drafter_bytes = tree_bytes(nnx.state(self.drafter))
+            peak = {"stock": mem1["peak"] - drafter_bytes, "spec": mem2["peak"] - stock_pool,
+                    "drafter_weights": drafter_bytes,
                     "stock_exact": mem1["peak"] > mem0["peak"], "spec_exact": mem2["peak"] > mem1["peak"],
                     "process_after_passes": mem3["peak"] if mem3 else None,
                     "stock_pool": stock_pool, "spec_pools": tree_bytes(spec_eng.caches)}
