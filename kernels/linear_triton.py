@@ -89,7 +89,8 @@ class Plan:
 
 
 def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_n: int | None = None,
-              num_sms: int | None = None) -> Plan:
+              num_sms: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> Plan:
     """Widest column tile that still gives two programs per SM (a skinny decode GEMM is bound by
     how many weight bytes are in flight, so it needs many programs), 16..128 columns."""
     if min(M, N, K) < 1:
@@ -106,8 +107,9 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_n: int | 
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     # Shared memory per stage: x [16, 128] + w [128, block_n], 2 bytes (4 with IEEE fp32).
     stage_bytes = (BLOCK_M + block_n) * BLOCK_K * (4 if ieee_dot else 2)
-    num_stages = max(2, min(4, (160 * 1024) // stage_bytes))
-    return Plan(M=M, N=N, K=K, block_n=block_n, num_warps=4, num_stages=num_stages,
+    if num_stages is None:
+        num_stages = max(2, min(4, (160 * 1024) // stage_bytes))
+    return Plan(M=M, N=N, K=K, block_n=block_n, num_warps=num_warps or 4, num_stages=num_stages,
                 ieee_dot=bool(ieee_dot))
 
 
@@ -115,8 +117,10 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def linear_triton(x, w, *, block_n: int | None = None):
-    """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant."""
+def linear_triton(x, w, *, block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None):
+    """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant. The
+    keyword overrides (tile width, warps, stages) are for tuning: none changes a result's bits."""
     import jax
     import jax.numpy as jnp
     import jax_triton as jt
@@ -132,7 +136,7 @@ def linear_triton(x, w, *, block_n: int | None = None):
     except Exception:  # noqa: BLE001 - a heuristic input only
         sms = None
     plan = make_plan(M, N, K, ieee_dot=np.dtype(x.dtype) == np.float32, block_n=block_n,
-                     num_sms=sms)
+                     num_sms=sms, num_warps=num_warps, num_stages=num_stages)
     return jt.triton_call(
         x, w, kernel=_kernel(), name="linear_bi",
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32), grid=plan.grid,
