@@ -6,6 +6,7 @@
 #   2. fixed-text fidelity of the stand-in with and without EngineConfig.batch_invariant;
 #   3. stock step and speculative iteration at 1 and 32 lanes, with and without it (the
 #      sampler's host-sync fix is in both);
+#   4. the linear kernel's speed against XLA's GEMM (scripts/bench_linear.py, a small sweep).
 #   bash scripts/gpu_invariance_check.sh        # records under $OUT/invariance
 set -uo pipefail
 cd "$(dirname "$0")/.."
