@@ -298,11 +298,14 @@ def make_plan(
 
     # Rows per tile: all of a verify block's queries x heads in one tile (<= 64 rows); long
     # prefill blocks take 128 rows of queries x heads (64 in fp32, whose FMA dots spill).
-    if block_q is None and invariant and max_q <= INVARIANT_BLOCK_Q:
+    # Only decode- and verify-sized calls need it (a prefill chunk is computed alike by every
+    # engine), and long blocks would pay for many fp32 partials.
+    invariant = invariant and max_q <= INVARIANT_BLOCK_Q
+    if block_q is None and invariant:
         block_q = INVARIANT_BLOCK_Q
     if block_q is None:
         block_q = max_q if max_q * group <= 64 else max(1, (64 if ieee_dot else 128) // group)
-    if not (invariant and max_q <= INVARIANT_BLOCK_Q):
+    if not invariant:
         block_q = max(1, min(block_q, max_q))
     block_m = max(16, _next_pow2(block_q * group))
     q_blocks = -(-max_q // block_q)

@@ -221,6 +221,9 @@ def test_attention_invariant_plan_decode_equals_verify(interpreted):
     default_ver = make_plan(num_tokens=8, max_q_len=8, **common)
     assert (default_dec.block_m, default_dec.num_splits) != (default_ver.block_m, default_ver.num_splits)
     np.testing.assert_array_equal(interpreted["att_inv_decode"], interpreted["att_inv_verify"])
+    # A prefill chunk keeps the default plan (no fp32 partials per split for 256 queries).
+    chunk = make_plan(num_tokens=256, max_q_len=256, invariant=True, **common)
+    assert chunk == make_plan(num_tokens=256, max_q_len=256, **common)
     # Negative control: the default plan (splits cut by length, a smaller decode tile) differs.
     assert (interpreted["att_dflt_decode"] != interpreted["att_dflt_verify"]).any()
     # Both plans compute attention (not a vacuous equality of zeros or of two wrong answers).
