@@ -4,7 +4,8 @@ multi-step decode loop.
 Split once, jit once: the model is `nnx.split` at load; every program here is a pure function of
 (params, caches, metadata arrays) with the caches donated, so XLA updates the pools in place.
 Shapes are static (lanes, pages per lane, chunk size, steps per dispatch); lengths, positions,
-page tables and sampling parameters travel as arrays, so nothing recompiles after warm-up.
+page tables and sampling parameters travel as arrays, so nothing recompiles after warm-up except
+once for the first batch with a top-k / top-p lane (`SamplingArrays.filtering`, a static bit).
 """
 
 from __future__ import annotations
