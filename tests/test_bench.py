@@ -227,3 +227,24 @@ def test_bench_quick_end_to_end(bench_pair, tmp_path, capsys):
     assert rec["likelihood"]["too_few_replies"] and not rec["gates"]["likelihood"]["ok"]
     assert rec["peer"]["status"] == "skipped"
     assert "SpecScore: null" in capsys.readouterr().out
+
+
+def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tmp_path):
+    """Qwen3's defaults (top-k 20, top-p 0.8) take the sampler's filtering variant in both
+    engines: it compiles during warm-up, never inside the timed passes."""
+    import argparse
+
+    from jspec.bench.run import add_bench_parser
+    target_dir, draft_dir = bench_pair
+    parser = argparse.ArgumentParser(prog="jspec")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "bench"
+    args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
+                              "--out", str(out), "--quick", "--no-progress", "--workloads", "solo",
+                              "--sampling", "qwen", "--peer", "off"])
+    assert args.func(args) == 0
+    rec = json.loads((out / "bench.json").read_text())
+    sampling = rec["config"]["sampling"]
+    assert sampling["name"] == "qwen" and sampling["top_k"] > 0 and sampling["top_p"] < 1
+    assert not rec["workloads"]["solo"]["recompiled"]
+    assert rec["acceptance"]["solo"] >= 1.0 and rec["fidelity"]["mean"] <= 0.002
