@@ -32,7 +32,7 @@ from flax import nnx
 
 from jspec.config import ConfigError, Qwen3Config
 from jspec.qwen3 import (AttentionFn, DecoderLayer, RMSNorm, _normal, apply_rope,
-                         layer_checkpoint_shapes)
+                         layer_checkpoint_shapes, project)
 
 Array = jax.Array
 MARKOV_HEAD_TYPES = ("vanilla", "gated")
@@ -159,9 +159,8 @@ class DSparkDrafter(nnx.Module):
         for layer in self.layers:
             attn = layer.self_attn
             # As Attention.qkv: k stays fp32 through its norm and rope, rounded once.
-            k = attn.k_norm(jnp.einsum("btd,hkd->bthk", context_btd, attn.k_proj[...],
-                                       preferred_element_type=jnp.float32), jnp.float32)
-            v = jnp.einsum("btd,hkd->bthk", context_btd, attn.v_proj[...])
+            k = attn.k_norm(project(context_btd, attn.k_proj[...]), jnp.float32)
+            v = project(context_btd, attn.v_proj[...]).astype(context_btd.dtype)
             out.append((apply_rope(k, positions_bt, attn.rope_theta).astype(v.dtype), v))
         return out
 

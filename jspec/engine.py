@@ -138,10 +138,9 @@ class Engine:
             linear_impl, attn_impl = "triton", "triton_invariant"
         # Serving layout, in place (idempotent); the module attributes become part of the graphdef
         # split below, so an engine built later with other choices does not change this one.
-        fuse_projections(model.layers, linear_impl=linear_impl)
-        model.linear_impl = linear_impl
+        fuse_projections(model, linear_impl=linear_impl)
         if drafter is not None:
-            fuse_projections(drafter.layers, qkv=False)
+            fuse_projections(drafter, qkv=False)
         graphdef, target_params = nnx.split(model)
         self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,
                                       cfg.num_kv_heads, cfg.head_dim, cfg.dtype)

@@ -66,6 +66,13 @@ def apply_rope(x_bthk: Array, positions_bt: Array, theta: float) -> Array:
     return rotated.astype(x_bthk.dtype)
 
 
+def project(x: Array, w: Array, impl: str = "xla") -> Array:
+    """x [..., K] through a weight stored output-major ([N..., K], e.g. q_proj [Hq, hd, D]) ->
+    fp32 [..., N...]. Every projection of the model goes through here (kernels/linear.py)."""
+    y = linear(x, w.reshape(-1, w.shape[-1]), impl)
+    return y.reshape(x.shape[:-1] + w.shape[:-1])
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: Qwen3Config, dtype, rngs: nnx.Rngs):
         D, Hq, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -76,6 +83,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.rope_theta = cfg.rope_theta
+        self.num_heads, self.num_kv_heads = Hq, Hkv
         self.linear_impl = "xla"  # kernels/linear.py; fuse_projections sets the serving choice
 
     @property
@@ -86,53 +94,35 @@ class Attention(nnx.Module):
         """Replace q/k/v_proj by one qkv_proj [Hq+2Hkv, hd, D] (one GEMM reads all three; on the
         H200 three small GEMMs ran at 3.2 TB/s). The same math; only the GEMM's tiling may change
         its fp32 accumulation order. Idempotent."""
-        if self.fused:
-            return
-        self.qkv_proj = nnx.Param(jnp.concatenate(
-            [self.q_proj[...], self.k_proj[...], self.v_proj[...]], axis=0))
-        self.num_q_heads = self.q_proj.shape[0]
-        del self.q_proj, self.k_proj, self.v_proj
+        if not self.fused:
+            self.qkv_proj = nnx.Param(jnp.concatenate(
+                [self.q_proj[...], self.k_proj[...], self.v_proj[...]], axis=0))
+            del self.q_proj, self.k_proj, self.v_proj
 
     def unfuse(self) -> None:
         """Back to the checkpoint layout (q_proj, k_proj, v_proj); the exact inverse of fuse."""
-        if not self.fused:
-            return
-        w = self.qkv_proj[...]
-        Hq, Hkv = self.num_q_heads, (w.shape[0] - self.num_q_heads) // 2
-        self.q_proj = nnx.Param(w[:Hq])
-        self.k_proj = nnx.Param(w[Hq:Hq + Hkv])
-        self.v_proj = nnx.Param(w[Hq + Hkv:])
-        del self.qkv_proj
-        self.linear_impl = "xla"
+        if self.fused:
+            q, k, v = jnp.split(self.qkv_proj[...], [self.num_heads, self.num_heads + self.num_kv_heads])
+            self.q_proj, self.k_proj, self.v_proj = nnx.Param(q), nnx.Param(k), nnx.Param(v)
+            del self.qkv_proj
 
     def qkv(self, x_btd: Array, positions_bt: Array) -> tuple[Array, Array, Array]:
-        f32 = jnp.float32
-        dt = x_btd.dtype
+        """q and k stay fp32 through their norms and rope and are rounded once; so is v."""
+        f32, dt, impl = jnp.float32, x_btd.dtype, self.linear_impl
         if self.fused:
-            Hq, Hkv = self.num_q_heads, (self.qkv_proj.shape[0] - self.num_q_heads) // 2
-            w = self.qkv_proj[...]
-            if self.linear_impl == "xla":
-                qkv = jnp.einsum("btd,hkd->bthk", x_btd, w, preferred_element_type=f32)
-            else:
-                qkv = linear(x_btd, w.reshape(-1, w.shape[-1]), self.linear_impl).reshape(
-                    x_btd.shape[:2] + w.shape[:2])
-            q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:].astype(dt)
+            q, k, v = jnp.split(project(x_btd, self.qkv_proj[...], impl),
+                                [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
         else:
-            q = jnp.einsum("btd,hkd->bthk", x_btd, self.q_proj[...], preferred_element_type=f32)
-            k = jnp.einsum("btd,hkd->bthk", x_btd, self.k_proj[...], preferred_element_type=f32)
-            v = jnp.einsum("btd,hkd->bthk", x_btd, self.v_proj[...])
+            q, k, v = (project(x_btd, w[...], impl) for w in (self.q_proj, self.k_proj, self.v_proj))
         q, k = self.q_norm(q, f32), self.k_norm(k, f32)
         return (apply_rope(q, positions_bt, self.rope_theta).astype(dt),
-                apply_rope(k, positions_bt, self.rope_theta).astype(dt), v)
+                apply_rope(k, positions_bt, self.rope_theta).astype(dt), v.astype(dt))
 
     def out(self, attn_bthk: Array) -> Array:
         """fp32: it is added to the fp32 residual stream without a rounding of its own."""
-        if self.linear_impl != "xla":
-            w = self.o_proj[...]
-            return linear(attn_bthk.reshape(attn_bthk.shape[:2] + (-1,)), w.reshape(w.shape[0], -1),
-                          self.linear_impl)
-        return jnp.einsum("bthk,dhk->btd", attn_bthk, self.o_proj[...],
-                          preferred_element_type=jnp.float32)
+        w = self.o_proj[...]  # [D, Hq, hd]
+        return project(attn_bthk.reshape(attn_bthk.shape[:2] + (-1,)), w.reshape(w.shape[0], -1),
+                       self.linear_impl)
 
 
 class MLP(nnx.Module):
@@ -150,52 +140,38 @@ class MLP(nnx.Module):
     def fuse(self) -> None:
         """Replace gate_proj and up_proj by one gate_up_proj [2F, D]: one GEMM instead of two
         (3.69 TB/s as two on the H200), the same math. Idempotent."""
-        if self.fused:
-            return
-        self.gate_up_proj = nnx.Param(jnp.concatenate([self.gate_proj[...], self.up_proj[...]], axis=0))
-        del self.gate_proj, self.up_proj
+        if not self.fused:
+            self.gate_up_proj = nnx.Param(jnp.concatenate([self.gate_proj[...], self.up_proj[...]]))
+            del self.gate_proj, self.up_proj
 
     def unfuse(self) -> None:
         """Back to gate_proj and up_proj; the exact inverse of fuse."""
-        if not self.fused:
-            return
-        gate, up = jnp.split(self.gate_up_proj[...], 2, axis=0)
-        self.gate_proj, self.up_proj = nnx.Param(gate), nnx.Param(up)
-        del self.gate_up_proj
-        self.linear_impl = "xla"
+        if self.fused:
+            gate, up = jnp.split(self.gate_up_proj[...], 2)
+            self.gate_proj, self.up_proj = nnx.Param(gate), nnx.Param(up)
+            del self.gate_up_proj
 
     def __call__(self, x_btd: Array) -> Array:
-        f32 = jnp.float32
         impl = self.linear_impl
         if self.fused:
-            if impl == "xla":
-                gate_up = jnp.einsum("btd,fd->btf", x_btd, self.gate_up_proj[...],
-                                     preferred_element_type=f32)
-            else:
-                gate_up = linear(x_btd, self.gate_up_proj[...], impl)
-            gate_btf, up_btf = jnp.split(gate_up, 2, axis=-1)
+            gate_btf, up_btf = jnp.split(project(x_btd, self.gate_up_proj[...], impl), 2, axis=-1)
         else:
-            gate_btf = jnp.einsum("btd,fd->btf", x_btd, self.gate_proj[...], preferred_element_type=f32)
-            up_btf = jnp.einsum("btd,fd->btf", x_btd, self.up_proj[...], preferred_element_type=f32)
+            gate_btf, up_btf = (project(x_btd, w[...], impl) for w in (self.gate_proj, self.up_proj))
         act = (jax.nn.silu(gate_btf) * up_btf).astype(x_btd.dtype)
-        if impl != "xla":
-            return linear(act, self.down_proj[...], impl)
-        return jnp.einsum("btf,df->btd", act, self.down_proj[...],
-                          preferred_element_type=jnp.float32)  # into the fp32 residual
+        return project(act, self.down_proj[...], impl)  # fp32, into the fp32 residual
 
 
-def fuse_projections(layers, *, qkv: bool = True, linear_impl: str = "xla") -> None:
-    """Serving layout, in place: gate+up (and q+k+v when `qkv`) of every decoder layer become one
-    weight each, one layer at a time (peak memory grows by one layer's projections). Checkpoint
-    keys map to the unfused layout; training and conversion use it. The drafter keeps q/k/v apart:
-    its context path reads k_proj and v_proj alone. `linear_impl` ("xla" | "triton", see
-    kernels/linear.py) is what the layers' matmuls run on from now on."""
-    for layer in layers:
+def fuse_projections(model, *, qkv: bool = True, linear_impl: str = "xla") -> None:
+    """Serving layout, in place, for a target or a drafter: gate+up (and q+k+v when `qkv`) of
+    every decoder layer become one weight each, one layer at a time (peak memory grows by one
+    layer's projections), and its matmuls run on `linear_impl` ("xla" | "triton", see
+    kernels/linear.py). Checkpoint keys map to the unfused layout; training and conversion use
+    it. The drafter keeps q/k/v apart: its context path reads k_proj and v_proj alone."""
+    for layer in model.layers:
         layer.mlp.fuse()
-        layer.mlp.linear_impl = linear_impl
         if qkv:
             layer.self_attn.fuse()
-            layer.self_attn.linear_impl = linear_impl
+    _set_linear_impl(model, linear_impl)
 
 
 def unfuse_projections(model) -> None:
@@ -205,8 +181,14 @@ def unfuse_projections(model) -> None:
     for layer in model.layers:
         layer.mlp.unfuse()
         layer.self_attn.unfuse()
-    if hasattr(model, "linear_impl"):
-        model.linear_impl = "xla"
+    _set_linear_impl(model, "xla")
+
+
+def _set_linear_impl(model, impl: str) -> None:
+    for layer in model.layers:
+        layer.mlp.linear_impl = layer.self_attn.linear_impl = impl
+    if isinstance(model, Qwen3):
+        model.linear_impl = impl
 
 
 class DecoderLayer(nnx.Module):
@@ -243,6 +225,7 @@ class Qwen3(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.linear_impl = "xla"
 
     def embed(self, tokens_bt: Array) -> Array:
         return jnp.take(self.embed_tokens[...], tokens_bt, axis=0)
@@ -252,11 +235,7 @@ class Qwen3(nnx.Module):
         return self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
 
     def logits(self, hidden_btd: Array) -> Array:
-        impl = getattr(self, "linear_impl", "xla")
-        if impl != "xla":
-            return linear(hidden_btd, self.head_weight(), impl)
-        return jnp.einsum("...d,vd->...v", hidden_btd, self.head_weight(),
-                          preferred_element_type=jnp.float32)
+        return project(hidden_btd, self.head_weight(), self.linear_impl)
 
     def __call__(self, tokens_bt: Array, positions_bt: Array, *, attention: AttentionFn,
                  caches: Sequence[Any] | None = None, tap_layers: Sequence[int] = ()

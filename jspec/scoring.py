@@ -39,3 +39,15 @@ def teacher_forced_logprobs(engine: Engine, prompt_ids: list[int], continuation:
         return np.asarray(out[0])
     finally:
         engine.allocator.free(req.pages)
+
+
+def verify_minus_decode(stock: Engine, spec: Engine, fixed, progress: bool = False) -> np.ndarray:
+    """log p(verify path) - log p(decode path) per token of the fixed (prompt, continuation)
+    texts, concatenated (float64): the lossless gate's fixed-text check."""
+    from tqdm.auto import tqdm
+    diffs = []
+    for prompt, cont in tqdm(fixed, desc="fidelity (fixed texts)", leave=False, disable=not progress):
+        a = teacher_forced_logprobs(stock, prompt, cont)
+        b = teacher_forced_logprobs(spec, prompt, cont)
+        diffs.append(np.asarray(b, np.float64) - np.asarray(a, np.float64))
+    return np.concatenate(diffs) if diffs else np.zeros(0)

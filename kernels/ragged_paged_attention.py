@@ -8,7 +8,9 @@ Implementations behind `impl`:
   "xla"        the reference below: gather the lane's pages into a dense cache, masked softmax.
                The test oracle and the CPU path; clear rather than fast.
   "triton"     ragged_paged_attention_triton.py: split-K paged kernel through jax-triton (GPU).
-  "triton_invariant"  the same kernel with its batch-invariant plan (`invariant=True`).
+  "triton_invariant"  the same kernel with its batch-invariant plan: a query's output bits do
+               not depend on how many queries its lane has in the call (decode 1, verify up to
+               8), so verify and decode agree exactly. The XLA reference makes no such promise.
   "pallas_tpu" not written (see kernels/__init__.py).
   "auto"       triton on GPU (xla if jax-triton is missing), xla elsewhere.
 
@@ -62,26 +64,21 @@ def ragged_paged_attention(
     causal: bool = True,
     max_q_len: int | None = None,
     impl: str = "auto",
-    invariant: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q.dtype; rows past cu_q_lens[-1] are zeros
-    """invariant=True (Triton only): a query's output bits do not depend on how many queries its
-    lane has in the call (decode 1, verify up to 8), so verify and decode agree exactly (the
-    kernel plan's docstring says how). The XLA reference makes no such promise."""
     check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = _auto_impl()
-    if impl == "triton_invariant":
-        impl, invariant = "triton", True
     args = (q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
     if impl == "xla":
         return ragged_paged_attention_xla(*args, sm_scale=sm_scale, causal=causal,
                                           max_q_len=max_q_len)
-    if impl == "triton":
+    if impl in ("triton", "triton_invariant"):
         from jspec.kernels.ragged_paged_attention_triton import ragged_paged_attention_triton
         return ragged_paged_attention_triton(*args, sm_scale=sm_scale, causal=causal,
-                                             max_q_len=max_q_len, invariant=invariant)
+                                             max_q_len=max_q_len,
+                                             invariant=impl == "triton_invariant")
     raise NotImplementedError("the Pallas TPU kernel is not written yet; use impl='xla'")
 
 

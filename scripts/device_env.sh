@@ -7,4 +7,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
   >/tmp/pip.log 2>&1 || cat /tmp/pip.log
 export PYTHONPATH="$PWD:/tmp/site"
 mkdir -p "${OUT:-/tmp/out}"
+# The device copy has no ../shared: the prompt sets travel as out/prompts (carry it).
+if [ -z "${JSPEC_PROMPTS_DIR:-}" ] && [ -f out/prompts/humaneval.jsonl ]; then
+  export JSPEC_PROMPTS_DIR=$PWD/out/prompts
+fi
 python3 -c "import jax, jspec.kernels, jspec.convert; print('jax', jax.__version__, jax.devices())"

@@ -33,7 +33,7 @@ def main() -> None:
     from jspec.bench import workloads as W
     from jspec.engine import Engine, EngineConfig
     from jspec.loading import load_drafter, load_model
-    from jspec.scoring import teacher_forced_logprobs
+    from jspec.scoring import verify_minus_decode
     from jspec.standin import resolve_drafter, resolve_model
     from jspec.tokenizer import Tokenizer
 
@@ -50,13 +50,9 @@ def main() -> None:
                         batch_invariant=args.batch_invariant)
     stock = Engine(cfg, model, tok.eos_ids, ecfg)
     spec = Engine(cfg, model, tok.eos_ids, ecfg, drafter=drafter, draft_cfg=dcfg)
-    diffs = []
-    for prompt, cont in fixed:
-        a = teacher_forced_logprobs(stock, prompt, cont)
-        b = teacher_forced_logprobs(spec, prompt, cont)
-        diffs.append(np.abs(np.asarray(b, np.float64) - np.asarray(a, np.float64)))
-    d = np.concatenate(diffs)
-    rec = {"label": args.label, "batch_invariant": args.batch_invariant, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": str(model_dir),
+    d = np.abs(verify_minus_decode(stock, spec, fixed))
+    rec = {"label": args.label, "batch_invariant": args.batch_invariant,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": str(model_dir),
            "dtype": args.dtype, "texts": args.texts, "tokens": int(d.size),
            "mean": float(d.mean()), "max": float(d.max()), "exact_share": float((d == 0).mean()),
            "backend": jax.devices()[0].platform, "wall_s": time.time() - t0}

@@ -13,7 +13,6 @@ cd "$(dirname "$0")/.."
 . scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}/invariance
 mkdir -p "$OUT"
-[ -z "${JSPEC_PROMPTS_DIR:-}" ] && [ -f out/prompts/humaneval.jsonl ] && export JSPEC_PROMPTS_DIR=$PWD/out/prompts
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_batch_invariance_gpu.py \
   tests/test_kernels_gpu.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
 for inv in "" "--batch-invariant"; do

@@ -9,7 +9,6 @@ cd "$(dirname "$0")/.."
 . scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}/numerics
 mkdir -p "$OUT"
-[ -z "${JSPEC_PROMPTS_DIR:-}" ] && [ -f out/prompts/humaneval.jsonl ] && export JSPEC_PROMPTS_DIR=$PWD/out/prompts
 FLAG_SETS=${FLAG_SETS:-"default=;cublas=--xla_gpu_enable_triton_gemm=false;nosplitk=--xla_gpu_enable_split_k_autotuning=false;autotune0=--xla_gpu_autotune_level=0"}
 IFS=';' read -ra sets <<< "$FLAG_SETS"
 for s in "${sets[@]}"; do

@@ -272,8 +272,8 @@ def test_fused_projections_compute_the_same_model(hf_tiny_dirs):
     taps = (0, 1)
     before, tapped_before = forward_logits(model, tokens, tap_layers=taps)
     q0 = np.asarray(model.layers[0].self_attn.q_proj[...])
-    fuse_projections(model.layers)
-    fuse_projections(model.layers)
+    fuse_projections(model)
+    fuse_projections(model)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
     assert attn.qkv_proj.shape == (cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
@@ -311,10 +311,9 @@ def test_linear_impl_plumbing_gives_the_same_model(hf_tiny_dirs, monkeypatch):
     monkeypatch.setattr(lt, "linear_triton", stand_in)
     cfg, model = load_model(hf_tiny_dirs["tiny-untied"])
     tokens = jnp.asarray(_tokens(cfg))
-    fuse_projections(model.layers)
+    fuse_projections(model)
     want, want_taps = forward_logits(model, tokens, tap_layers=(0, 2))
-    fuse_projections(model.layers, linear_impl="triton")
-    model.linear_impl = "triton"
+    fuse_projections(model, linear_impl="triton")
     got, got_taps = forward_logits(model, tokens, tap_layers=(0, 2))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     for a, b in zip(got_taps, want_taps):

@@ -105,7 +105,7 @@ def command_line(args) -> str:
               "--spec-decode-steps", str(args.spec_decode_steps), "--attn-impl", args.attn_impl]
     if args.dtype:
         words += ["--dtype", args.dtype]
-    if getattr(args, "batch_invariant", False):
+    if args.batch_invariant:
         words.append("--batch-invariant")
     return " ".join(shlex.quote(w) for w in words)
 
@@ -213,7 +213,7 @@ class Bench:
                     "prefill_chunk": args.prefill_chunk, "attn_impl": args.attn_impl,
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
                     "dtype": args.dtype, "commit": commit,
-                    "batch_invariant": bool(getattr(args, "batch_invariant", False))}
+                    "batch_invariant": args.batch_invariant}
         self.git = {"commit": commit, "dirty": dirty}
         self.env = None
 
@@ -339,7 +339,7 @@ class Bench:
                                          spec.max_new_tokens, a.page_size, window)
         base = dict(max_lanes=spec.lanes, page_size=a.page_size, max_context=max_context,
                     num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl,
-                    batch_invariant=bool(getattr(a, "batch_invariant", False)))
+                    batch_invariant=a.batch_invariant)
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
                 EngineConfig(decode_steps=a.spec_decode_steps, **base))
 
@@ -490,16 +490,8 @@ class Bench:
         return part, items
 
     def fidelity(self, stock, spec_eng, fixed) -> dict:
-        import numpy as np
-        from tqdm.auto import tqdm
-
-        from jspec.scoring import teacher_forced_logprobs
-        diffs = []
-        for prompt, cont in tqdm(fixed, desc="fidelity (fixed texts)", leave=False,
-                                 disable=not self.progress):
-            a = teacher_forced_logprobs(stock, prompt, cont)
-            b = teacher_forced_logprobs(spec_eng, prompt, cont)
-            diffs += list(np.asarray(b, np.float64) - np.asarray(a, np.float64))
+        from jspec.scoring import verify_minus_decode
+        diffs = list(verify_minus_decode(stock, spec_eng, fixed, self.progress))
         return G.fidelity_check(diffs, texts=len(fixed),
                                 tokens_per_text=len(fixed[0][1]) if fixed else 0,
                                 path={"candidate": f"verify, blocks of {spec_eng.num_draft + 1}",
