@@ -5,13 +5,37 @@ Why it exists: XLA chooses a GEMM algorithm by shape, so row r of x @ w^T gets d
 when the GEMM has 1 row (stock decode) than when it has 8 (speculative verify): measured on the
 H200 for 88-99 % of the outputs, whatever the XLA flags (docs/benchmarks.md). Rounded to bf16 at
 the next matmul input, those bits make verify and decode drift apart by ~3e-3 nats per token.
-Here every output element is accumulated in one order whatever M is:
-  * K is walked from 0 upward in BLOCK_K steps, one `tl.dot` of a BLOCK_M = 16-row tile each
-    (mma.sync m16n8k16 on sm_90: wgmma, used for >= 64-row tiles, would be another instruction),
-    into an fp32 accumulator; no split-K, so no cross-program reduction.
-  * BLOCK_M and BLOCK_K are module constants, never chosen from the shape. BLOCK_N, the warps,
-    the stages and the grid may depend on the shape: they decide which program computes an
-    element and when, not how.
+
+What fixes an output element's bits here is the chain of instructions that accumulates it, and
+that chain is the same whatever M is:
+  * K is walked from 0 upward in BLOCK_K = 128 steps (a module constant, never chosen from the
+    shape; no split-K, so no cross-program reduction). Each step is one `tl.dot`, which Triton
+    lowers on sm_90 to BLOCK_K / 16 `mma.sync.m16n8k16` (bf16 in, fp32 accumulate) in k order,
+    the accumulator register feeding the next one (`acc += tl.dot` is folded into the MMA's C
+    operand). fp32 inputs (tests) take Triton's FMA dot instead, also in k order.
+  * A program owns BLOCK_M rows as BLOCK_M / DOT_M row blocks (1, 2 or 4) of DOT_M rows, each
+    its own `tl.dot` and accumulator; the blocks share each weight tile, which is what makes wide
+    row tiles cheap (a 16-row tile re-reads every weight tile M / 16 times from L2). Row tiles
+    start at multiples of 16, so row r sits at row r % 16 of an m16 fragment whatever BLOCK_M and
+    DOT_M are.
+  * Every dot must stay mma.sync (MMA v2): wgmma (MMA v3) is another instruction with its own
+    accumulation. Triton 3.6 picks MMA v3 on sm_90 only when the dot's rows are a multiple of 64
+    AND num_warps is a multiple of 4 (`supportMMA(op, 3)` in lib/Analysis/Utility.cpp, tried
+    first by `getMMAVersionSafe` in lib/Dialect/TritonGPU/Transforms/AccelerateMatmul.cpp;
+    env DISABLE_MMA_V3=1 also forbids it, process-wide). So DOT_M <= 32 is mma.sync with any
+    warps, and a 64/128-row dot only with 1-2 warps; `make_plan` refuses anything else and
+    tests/test_kernels_linear.py compiles every plan it can make for sm_90 and reads the PTX.
+  * BLOCK_M, DOT_M, BLOCK_N, the warps, the stages and the grid depend on the shape: they decide
+    which program and warp compute an element, and which other rows share its MMA, not the
+    chain above. That last point assumes an MMA's output element does not depend on the other
+    rows of its fragment, the assumption the 16-row tile already made (a row's fragment-mates
+    are zeros at M = 1 and real rows at M = 8; confirmed on the H200). Across row tiles and
+    row blocks (plans take 32-128-row tiles above 16 rows where those still cover the SMs; at
+    128 and 256 rows every Qwen3-8B shape does) it is still to be confirmed on the H200, by
+    tests/test_batch_invariance_gpu.py::test_linear_triton_rows_invariant_and_correct (row 0 alone
+    vs among 8/16/128/256 rows) and by scripts/bench_linear.py, which records whether each timed
+    tiling reproduces the default plan's bits. If it does not hold, FORCE_BLOCK_M = 16 below
+    gives every plan the fixed 16-row tile again.
 Rows past M are masked to zero and never stored. The XLA twin is `kernels.linear.linear_xla`
 (jnp.einsum with fp32 accumulation: the same math, not batch-invariant).
 """
@@ -26,36 +50,58 @@ import numpy as np
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # rows per tile: fixed (see module docstring)
 BLOCK_K = 128  # reduction step: fixed (see module docstring)
+MMA_M = 16  # rows of one mma.sync fragment: row tiles are multiples of it
+MAX_BLOCK_M = 128  # widest row tile a plan takes
+MAX_ROW_BLOCKS = 4  # row blocks (dots, accumulators) per program: the kernel has four
+FORCE_BLOCK_M: int | None = None  # 16: every plan takes the original fixed 16-row tile
 NUM_SMS_DEFAULT = 132  # H100 / H200
+SMEM_BUDGET = 160 * 1024  # bytes of pipelined x and w tiles a plan allows (sm_90: 227 KiB max)
 
 
 def _linear_kernel(x_ptr, w_ptr, y_ptr,
                    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE_DOT: tl.constexpr):
-    """One program = BLOCK_M rows x BLOCK_N columns of y; grid axis 0 walks the row tiles so the
+                   BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One program = BLOCK_M rows x BLOCK_N columns of y, as BLOCK_M // DOT_M row blocks (each its
+    own dot and accumulator) that share every weight tile; grid axis 0 walks the row tiles so the
     programs that read the same weight columns run side by side (the weights come from L2)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    BLOCKS: tl.constexpr = BLOCK_M // DOT_M
+    PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"  # tf32: the default (bf16: unused)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, DOT_M)  # row block 0; block j: + j * DOT_M
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
     col_ok = cols < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+    x_row = x_ptr + rows[:, None].to(tl.int64) * K
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         k_ok = k < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + k[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if IEEE_DOT:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc,
-             mask=row_ok[:, None] & col_ok[None, :])
+        x = tl.load(x_row + k[None, :], mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+        acc0 += tl.dot(x, w, input_precision=PRECISION)
+        if BLOCKS > 1:
+            x = tl.load(x_row + DOT_M * K + k[None, :],
+                        mask=(rows < M - DOT_M)[:, None] & k_ok[None, :], other=0.0)
+            acc1 += tl.dot(x, w, input_precision=PRECISION)
+        if BLOCKS > 2:
+            x = tl.load(x_row + 2 * DOT_M * K + k[None, :],
+                        mask=(rows < M - 2 * DOT_M)[:, None] & k_ok[None, :], other=0.0)
+            acc2 += tl.dot(x, w, input_precision=PRECISION)
+            x = tl.load(x_row + 3 * DOT_M * K + k[None, :],
+                        mask=(rows < M - 3 * DOT_M)[:, None] & k_ok[None, :], other=0.0)
+            acc3 += tl.dot(x, w, input_precision=PRECISION)
+    y = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(y, acc0, mask=(rows < M)[:, None] & col_ok[None, :])
+    if BLOCKS > 1:
+        tl.store(y + DOT_M * N, acc1, mask=(rows < M - DOT_M)[:, None] & col_ok[None, :])
+    if BLOCKS > 2:
+        tl.store(y + 2 * DOT_M * N, acc2, mask=(rows < M - 2 * DOT_M)[:, None] & col_ok[None, :])
+        tl.store(y + 3 * DOT_M * N, acc3, mask=(rows < M - 3 * DOT_M)[:, None] & col_ok[None, :])
 
 
 _KERNEL = None
@@ -74,6 +120,8 @@ class Plan:
     M: int
     N: int
     K: int
+    block_m: int
+    dot_m: int
     block_n: int
     num_warps: int
     num_stages: int
@@ -81,46 +129,89 @@ class Plan:
 
     @property
     def grid(self) -> tuple[int, int]:
-        return (-(-self.M // BLOCK_M), -(-self.N // self.block_n))
+        return (-(-self.M // self.block_m), -(-self.N // self.block_n))
 
     def constexprs(self) -> dict:
-        return dict(M=self.M, N=self.N, K=self.K, BLOCK_M=BLOCK_M, BLOCK_N=self.block_n,
-                    BLOCK_K=BLOCK_K, IEEE_DOT=self.ieee_dot)
+        return dict(M=self.M, N=self.N, K=self.K, BLOCK_M=self.block_m, DOT_M=self.dot_m,
+                    BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, IEEE_DOT=self.ieee_dot)
 
 
-def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_n: int | None = None,
-              num_sms: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None) -> Plan:
-    """Widest column tile that still gives two programs per SM (a skinny decode GEMM is bound by
-    how many weight bytes are in flight, so it needs many programs), 16..128 columns."""
+def _pow2(v: int) -> bool:
+    return v >= 1 and not v & (v - 1)
+
+
+def _wide_tiles(M: int, N: int, sms: int, block_n: int | None) -> tuple[int, int] | None:
+    """The widest row tile (32..128 rows, at most M rounded up to a power of two) that, with a
+    column tile of 128 or 64, still gives every SM a program; None: take the 16-row tile."""
+    cap = min(MAX_BLOCK_M, 1 << max(0, M - 1).bit_length())
+    for bm in (128, 64, 32):
+        if bm > cap:
+            continue
+        for bn in (block_n,) if block_n else (128, 64):
+            if -(-M // bm) * -(-N // bn) >= sms:
+                return bm, bn
+    return None
+
+
+def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | None = None,
+              dot_m: int | None = None, block_n: int | None = None, num_sms: int | None = None,
+              num_warps: int | None = None, num_stages: int | None = None) -> Plan:
+    """Tiles from the shape (none of these choices is meant to change a result's bits; see the
+    module docstring). Up to 16 rows (decode) and when wide tiles would leave SMs idle: 16-row
+    tiles with the widest column tile (16..128) that still gives two programs per SM (a skinny
+    GEMM is bound by how many weight bytes are in flight, so it needs many programs). More rows
+    (verify): the widest row tile, up to 128, whose 64- or 128-column tiles still cover the SMs,
+    so each weight tile is read M / BLOCK_M times instead of M / 16. fp32 inputs keep 16 rows
+    (FMA dots, kept small). Untuned beyond M <= 16: scripts/bench_linear.py sweeps the knobs."""
     if min(M, N, K) < 1:
         raise ValueError(f"linear: empty operand (M={M}, N={N}, K={K})")
+    sms = num_sms or NUM_SMS_DEFAULT
+    if block_m is None:
+        wide = None if (FORCE_BLOCK_M or ieee_dot) else _wide_tiles(M, N, sms, block_n)
+        block_m, block_n = wide if wide else (FORCE_BLOCK_M or MMA_M, block_n)
+    if not _pow2(block_m) or not MMA_M <= block_m <= MAX_BLOCK_M:
+        raise ValueError(f"block_m must be a power of two in [{MMA_M}, {MAX_BLOCK_M}], "
+                         f"got {block_m}")
     if block_n is None:
-        want = 2 * (num_sms or NUM_SMS_DEFAULT)
-        row_tiles = -(-M // BLOCK_M)
+        row_tiles = -(-M // block_m)
         block_n = 16
         for bn in (128, 64, 32):
-            if row_tiles * -(-N // bn) >= want:
+            if row_tiles * -(-N // bn) >= 2 * sms:
                 block_n = bn
                 break
-    if block_n & (block_n - 1) or block_n < 16:
+    if not _pow2(block_n) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    # Shared memory per stage: x [16, 128] + w [128, block_n], 2 bytes (4 with IEEE fp32).
-    stage_bytes = (BLOCK_M + block_n) * BLOCK_K * (4 if ieee_dot else 2)
+    if num_warps is None:
+        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    if not _pow2(num_warps):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    if dot_m is None:  # 64+-row dots are mma.sync only with 1-2 warps: split into 32-row blocks
+        dot_m = block_m if block_m < 64 or num_warps < 4 else 32
+    if not _pow2(dot_m) or not MMA_M <= dot_m <= block_m or block_m // dot_m > MAX_ROW_BLOCKS:
+        raise ValueError(f"dot_m must be a power of two in [{MMA_M}, block_m] with at most "
+                         f"{MAX_ROW_BLOCKS} row blocks, got dot_m={dot_m} for block_m={block_m}")
+    if dot_m % 64 == 0 and num_warps % 4 == 0:
+        raise ValueError(f"a {dot_m}-row dot with {num_warps} warps lowers to wgmma on sm_90, "
+                         "not mma.sync: use dot_m <= 32 or num_warps <= 2")
+    # Shared memory per stage: x [block_m, 128] + w [128, block_n], 2 bytes (4 with IEEE fp32).
+    stage_bytes = (block_m + block_n) * BLOCK_K * (4 if ieee_dot else 2)
     if num_stages is None:
-        num_stages = max(2, min(4, (160 * 1024) // stage_bytes))
-    return Plan(M=M, N=N, K=K, block_n=block_n, num_warps=num_warps or 4, num_stages=num_stages,
-                ieee_dot=bool(ieee_dot))
+        num_stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
+    return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=dot_m, block_n=block_n,
+                num_warps=num_warps, num_stages=num_stages, ieee_dot=bool(ieee_dot))
 
 
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def linear_triton(x, w, *, block_n: int | None = None, num_warps: int | None = None,
+def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None):
     """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant. The
-    keyword overrides (tile width, warps, stages) are for tuning: none changes a result's bits."""
+    keyword overrides (row tile, rows per dot, tile width, warps, stages) are for tuning: none is
+    meant to change a result's bits (module docstring: to be confirmed on the H200 across row
+    tiles)."""
     import jax
     import jax.numpy as jnp
     import jax_triton as jt
@@ -135,15 +226,17 @@ def linear_triton(x, w, *, block_n: int | None = None, num_warps: int | None = N
         sms = int(getattr(jax.devices()[0], "core_count", 0)) or None
     except Exception:  # noqa: BLE001 - a heuristic input only
         sms = None
-    plan = make_plan(M, N, K, ieee_dot=np.dtype(x.dtype) == np.float32, block_n=block_n,
-                     num_sms=sms, num_warps=num_warps, num_stages=num_stages)
+    plan = make_plan(M, N, K, ieee_dot=np.dtype(x.dtype) == np.float32, block_m=block_m,
+                     dot_m=dot_m, block_n=block_n, num_sms=sms, num_warps=num_warps,
+                     num_stages=num_stages)
     return jt.triton_call(
         x, w, kernel=_kernel(), name="linear_bi",
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32), grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs())
 
 
-def launch_torch(x, w, *, block_n: int | None = None):
+def launch_torch(x, w, *, block_m: int | None = None, dot_m: int | None = None,
+                 block_n: int | None = None, num_warps: int | None = None):
     """The same kernel and plan on torch tensors: Triton's CPU interpreter (tests; the process
     must start with TRITON_INTERPRET=1) or a CUDA torch build."""
     import torch
@@ -153,7 +246,8 @@ def launch_torch(x, w, *, block_n: int | None = None):
                            "with TRITON_INTERPRET=1")
     M, K = x.shape
     N = w.shape[0]
-    plan = make_plan(M, N, K, ieee_dot=x.dtype == torch.float32, block_n=block_n)
+    plan = make_plan(M, N, K, ieee_dot=x.dtype == torch.float32, block_m=block_m, dot_m=dot_m,
+                     block_n=block_n, num_warps=num_warps)
     y = torch.full((M, N), float("nan"), dtype=torch.float32, device=x.device)
     _kernel()[plan.grid](x.contiguous(), w.contiguous(), y, num_warps=plan.num_warps,
                          num_stages=plan.num_stages, **plan.constexprs())

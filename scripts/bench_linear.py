@@ -1,8 +1,24 @@
 """The batch-invariant Triton linear kernel against XLA's GEMM at Qwen3-8B shapes: time and
-achieved weight bandwidth per (rows, tile width, stages), so its plan can be tuned on the GPU.
-None of the swept knobs changes a result's bits (kernels/linear_triton.py).
+achieved weight bandwidth of the default plan, of the fixed 16-row fallback (FORCE_BLOCK_M = 16)
+and of a sweep of the plan's knobs (row tile, rows per dot, column tile, warps, stages), so the
+plan can be tuned on the GPU.
 
-  . scripts/device_env.sh; python3 scripts/bench_linear.py --out $OUT/linear.json
+The knobs are meant not to change a result's bits (kernels/linear_triton.py), but across row tiles
+that is still to be confirmed on the H200, so nothing here assumes it: every timed configuration's
+output (the first call of its timed chain, on the same inputs) is compared bit for bit with the
+default plan's, and the record says which differ (`bits_equal_plan`, `n_diff`, `bits`). The
+plan's own output is checked against XLA's (`max_rel_err_vs_xla`).
+
+Order: first XLA, the plan and the 16-row fallback at every (shape, rows); then the sweep at each
+of --sweep-rows in turn, one configuration at a time across all shapes (widest row tiles first),
+until --budget-s: a cut loses the same configurations on every shape, and the JSON is rewritten
+after every step. The best per (shape, rows) is over all timed entries.
+
+  . scripts/device_env.sh
+  timeout 100 python3 scripts/bench_linear.py --rows 1,8,32,256 --sweep-rows 32,256 \
+      --shapes qkv,o,gate_up,down --block-m 32,64,128 --block-n 64,128 --warps 4,8 \
+      --budget-s 75 --out $OUT/linear.json
+  python3 scripts/bench_linear.py --dry-run ... --out x   # list what would be timed (no GPU)
 """
 
 from __future__ import annotations
@@ -12,74 +28,248 @@ import itertools
 import json
 import time
 
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+          "down": (4096, 12288), "lm_head": (151936, 4096)}
+# A swept configuration whose warps would each own less than a 16 x 32 accumulator (warps doing
+# the same MMAs twice) or more than 64 x 64 (spills) is left out; the default plan never is.
+WARP_TILE = (16 * 32, 64 * 64)
 
-def timeit(f, x, w, chain: int = 20, reps: int = 7) -> float:
-    """Seconds per call: `chain` dependent calls unrolled in one jitted program (no host dispatch
-    or loop sync between them), median over `reps` programs."""
+
+def timeit(f, x, w, chain: int = 20, reps: int = 7):
+    """(seconds per call, the first call's output): `chain` dependent calls unrolled in one jitted
+    program (no host dispatch or loop sync between them), median over `reps` programs."""
     import jax
 
     @jax.jit
     def chained(x, w):
-        acc = x
-        for _ in range(chain):
+        y0 = f(x, w)
+        acc = jax.lax.dynamic_update_slice(x, y0[:1, :1].astype(x.dtype), (0, 0))
+        for _ in range(chain - 1):
             y = f(acc, w)
             acc = jax.lax.dynamic_update_slice(x, y[:1, :1].astype(x.dtype), (0, 0))
-        return acc
+        return acc, y0
 
-    jax.block_until_ready(chained(x, w))
+    _, y0 = jax.block_until_ready(chained(x, w))
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         jax.block_until_ready(chained(x, w))
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2] / chain
+    return sorted(times)[len(times) // 2] / chain, y0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def _ints(spec: str, name: str) -> list:
+    """'16,32' -> [16, 32]; 'auto' entries -> None (the plan's choice)."""
+    out = []
+    for v in spec.split(","):
+        v = v.strip()
+        if v == "auto":
+            out.append(None)
+        elif v:
+            try:
+                out.append(int(v))
+            except ValueError:
+                raise SystemExit(f"--{name}: {v!r} is neither an integer nor 'auto'") from None
+    return out
+
+
+def cfg_of(plan) -> dict:
+    return dict(block_m=plan.block_m, dot_m=plan.dot_m, block_n=plan.block_n,
+                num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
+def label(cfg: dict) -> str:
+    return (f"bm{cfg['block_m']}_dm{cfg['dot_m']}_bn{cfg['block_n']}_w{cfg['num_warps']}"
+            f"_s{cfg['num_stages']}")
+
+
+def sweep_configs(M: int, N: int, K: int, args, num_sms: int | None) -> list[dict]:
+    """The swept configurations at this shape, resolved through make_plan (so 'auto' entries and
+    the rows-per-dot rule are the plan's): invalid ones (make_plan refuses them: wgmma, too many
+    row blocks), row tiles taller than M rounded up to a power of two (only masked rows more),
+    warp tiles outside WARP_TILE and duplicates are dropped; widest row tiles first."""
+    from jspec.kernels.linear_triton import MMA_M, make_plan
+
+    cap = max(MMA_M, 1 << max(0, M - 1).bit_length())
+    seen, out = set(), []
+    for bm, dm, bn, nw, st in itertools.product(
+            _ints(args.block_m, "block-m"), _ints(args.dot_m, "dot-m"),
+            _ints(args.block_n, "block-n"), _ints(args.warps, "warps"),
+            _ints(args.stages, "stages")):
+        if bm is not None and bm > cap:
+            continue
+        try:
+            plan = make_plan(M, N, K, block_m=bm, dot_m=dm, block_n=bn, num_warps=nw,
+                             num_stages=st, num_sms=num_sms)
+        except ValueError:
+            continue
+        if not WARP_TILE[0] <= plan.block_m * plan.block_n // plan.num_warps <= WARP_TILE[1]:
+            continue
+        cfg = cfg_of(plan)
+        if label(cfg) not in seen:
+            seen.add(label(cfg))
+            out.append(cfg)
+    return sorted(out, key=_rank)
+
+
+def _rank(cfg: dict) -> tuple:
+    """Sweep order: widest row tiles first (the new ground), then widest column tiles."""
+    return (-cfg["block_m"], -cfg["block_n"], cfg["dot_m"], cfg["num_warps"], cfg["num_stages"])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rows", default="1,8,32,256")
-    ap.add_argument("--block-n", default="16,32,64,128")
-    ap.add_argument("--stages", default="3,4,6")
-    args = ap.parse_args()
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="of " + ",".join(SHAPES))
+    ap.add_argument("--rows", default="1,8,32,256", help="M: XLA, the plan, the 16-row fallback")
+    ap.add_argument("--sweep-rows", default=None, help="M values to sweep (default: --rows)")
+    ap.add_argument("--block-m", default="16,32,64,128", help="row tiles ('auto': the plan's)")
+    ap.add_argument("--dot-m", default="auto", help="rows per dot; auto: the plan's rule (the "
+                    "whole tile up to 32 rows or with <= 2 warps, else 32-row blocks)")
+    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--warps", default="auto", help="e.g. 2,4,8 (2: a 64/128-row tile in one dot)")
+    ap.add_argument("--stages", default="auto", help="auto: the plan's shared-memory rule")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="stop sweeping once the run is this old (0: no limit)")
+    ap.add_argument("--dry-run", action="store_true", help="list the sweep, time nothing")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    rows = [int(m) for m in args.rows.split(",") if m]
+    sweep_rows = rows if args.sweep_rows is None else [int(m) for m in args.sweep_rows.split(",")
+                                                        if m]
+    shapes = {s: SHAPES[s] for s in args.shapes.split(",") if s}
+
+    from jspec.kernels.linear_triton import make_plan
+
+    if args.dry_run:
+        total, base = 0, 0
+        for M in sorted(set(rows) | set(sweep_rows)):
+            for name, (N, K) in shapes.items():
+                plan, legacy = (label(cfg_of(make_plan(M, N, K, block_m=bm))) for bm in (None, 16))
+                base += 2 + (legacy != plan)
+                cfgs = ([label(c) for c in sweep_configs(M, N, K, args, None)]
+                        if M in sweep_rows else [])
+                cfgs = [c for c in cfgs if c not in (plan, legacy)]
+                total += len(cfgs)
+                print(f"{name} M={M}: plan {plan}, 16-row {legacy}; sweep {len(cfgs)}: "
+                      + " ".join(cfgs))
+        print(f"{base} baseline timings (XLA, plan, 16-row fallback), {total} swept")
+        return
+
     import functools
 
     import jax
     import jax.numpy as jnp
 
     from jspec.kernels.linear import linear_xla
-    from jspec.kernels.linear_triton import linear_triton, make_plan
+    from jspec.kernels.linear_triton import linear_triton
 
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-              "down": (4096, 12288)}
-    out = []
+    try:
+        sms = int(getattr(jax.devices()[0], "core_count", 0)) or None
+    except Exception:  # noqa: BLE001 - the plan's heuristic input only
+        sms = None
+    key = jax.random.PRNGKey(0)
+    data, results = {}, {}
+    record = {"jax": jax.__version__, "device": str(jax.devices()[0]), "num_sms": sms,
+              "args": vars(args), "rows": []}
+
+    def gbytes(M, N, K):
+        return (N * K + M * K) * 2 / 1e9 + M * N * 4 / 1e9
+
+    def save():
+        record["elapsed_s"] = time.perf_counter() - t_start
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+    differ = []
+
+    def run(name, M, cfg, y_plan):
+        """Time one configuration (None: the default plan, no overrides) and compare its output
+        with the default plan's; the record entry and the output."""
+        x, w = data[name, M][:2]
+        N, K = shapes[name]
+        f = linear_triton if cfg is None else functools.partial(linear_triton, **cfg)
+        plan = make_plan(M, N, K, num_sms=sms, **(cfg or {}))
+        entry = {**cfg_of(plan), "label": label(cfg_of(plan))}
+        try:
+            t, y = timeit(f, x, w)
+        except Exception as e:  # noqa: BLE001 - e.g. shared memory overflow; keep the others
+            entry["error"] = str(e)[:200]
+            return entry, None
+        entry.update(us=t * 1e6, TBps=gbytes(M, N, K) / t / 1e3)
+        if y_plan is not None:
+            n_diff = int(jnp.sum(y != y_plan))
+            entry.update(bits_equal_plan=n_diff == 0, n_diff=n_diff)
+            if n_diff:
+                differ.append(f"{name} M={M} {entry['label']}: {n_diff} of {y.size} elements")
+        row = results.get((name, M))
+        if row is not None and "us" in entry and (row["best"] is None
+                                                  or entry["us"] < row["best"]["us"]):
+            row["best"] = entry
+        return entry, y
+
+    # 1. XLA, the default plan and the 16-row fallback (FORCE_BLOCK_M = 16) everywhere.
     for name, (N, K) in shapes.items():
-        w = jnp.ones((N, K), jnp.bfloat16) * 0.01
-        for M in [int(m) for m in args.rows.split(",")]:
-            x = jnp.ones((M, K), jnp.bfloat16)
-            gb = (N * K + M * K) * 2 / 1e9 + M * N * 4 / 1e9
-            t_xla = timeit(linear_xla, x, w)
+        kw, kx = jax.random.split(jax.random.fold_in(key, N * 7 + K))
+        w = (0.02 * jax.random.normal(kw, (N, K), jnp.float32)).astype(jnp.bfloat16)
+        for M in sorted(set(rows) | set(sweep_rows)):
+            x = jax.random.normal(jax.random.fold_in(kx, M), (M, K), jnp.float32)
+            data[name, M] = (x.astype(jnp.bfloat16), w, None)
+            t_xla, y_xla = timeit(linear_xla, *data[name, M][:2])
+            entry, y_plan = run(name, M, None, None)
+            if y_plan is not None:
+                scale = jnp.maximum(jnp.max(jnp.abs(y_xla)), 1e-30)
+                entry["max_rel_err_vs_xla"] = float(jnp.max(jnp.abs(y_plan - y_xla)) / scale)
+            data[name, M] = data[name, M][:2] + (y_plan,)
             row = {"shape": name, "N": N, "K": K, "M": M, "xla_us": t_xla * 1e6,
-                   "xla_TBps": gb / t_xla / 1e3, "default_plan": make_plan(M, N, K).block_n,
-                   "triton": []}
-            for bn, st in itertools.product([int(v) for v in args.block_n.split(",")],
-                                            [int(v) for v in args.stages.split(",")]):
-                f = functools.partial(linear_triton, block_n=bn, num_stages=st)
-                try:
-                    t = timeit(f, x, w)
-                except Exception as e:  # noqa: BLE001 - e.g. shared memory overflow
-                    row["triton"].append({"block_n": bn, "stages": st, "error": str(e)[:200]})
-                    continue
-                row["triton"].append({"block_n": bn, "stages": st, "us": t * 1e6,
-                                      "TBps": gb / t / 1e3})
-            best = min((r for r in row["triton"] if "us" in r), key=lambda r: r["us"], default=None)
-            row["best"] = best
-            print(json.dumps({k: row[k] for k in ("shape", "M", "xla_us", "xla_TBps", "best")}),
+                   "xla_TBps": gbytes(M, N, K) / t_xla / 1e3, "plan": entry, "legacy": None,
+                   "triton": [], "skipped": 0, "best": entry if "us" in entry else None}
+            results[name, M] = row
+            record["rows"].append(row)
+            legacy = cfg_of(make_plan(M, N, K, num_sms=sms, block_m=16))
+            if label(legacy) != entry["label"]:
+                row["legacy"] = run(name, M, legacy, y_plan)[0]
+            print(json.dumps({"shape": name, "M": M, "xla_us": round(row["xla_us"], 1),
+                              "plan": entry["label"], "plan_us": round(entry.get("us", -1), 1),
+                              "plan_err": entry.get("max_rel_err_vs_xla", entry.get("error")),
+                              "legacy_us": round((row["legacy"] or entry).get("us", -1), 1)}),
                   flush=True)
-            out.append(row)
-    with open(args.out, "w") as f:
-        json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": out}, f,
-                  indent=1)
+            save()
+
+    # 2. The sweep: one configuration at a time across the shapes, widest row tiles first.
+    for M in sweep_rows:
+        per_shape = {name: {label(c): c for c in sweep_configs(M, N, K, args, sms)}
+                     for name, (N, K) in shapes.items()}
+        union = {}
+        for cfgs in per_shape.values():
+            for lab, c in cfgs.items():
+                union.setdefault(lab, c)
+        for lab in sorted(union, key=lambda lab: _rank(union[lab])):
+            for name in shapes:
+                cfg, row = per_shape[name].get(lab), results[name, M]
+                if cfg is None or lab in (row["plan"]["label"], (row["legacy"] or {}).get("label")):
+                    continue
+                if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+                    row["skipped"] += 1
+                    continue
+                row["triton"].append(run(name, M, cfg, data[name, M][2])[0])
+            save()
+    for row in record["rows"]:
+        best = row["best"] or {}
+        print(json.dumps({"shape": row["shape"], "M": row["M"],
+                          "xla_us": round(row["xla_us"], 1),
+                          "plan_us": round(row["plan"].get("us", -1), 1),
+                          "best": best.get("label"), "best_us": round(best.get("us", -1), 1),
+                          "best_TBps": round(best.get("TBps", -1), 2),
+                          "swept": sum("us" in e for e in row["triton"]),
+                          "skipped": row["skipped"]}), flush=True)
+    swept = sum("n_diff" in e for row in record["rows"]
+                for e in row["triton"] + [row["legacy"] or {}])
+    record["bits"] = {"configs_compared": swept, "differ_from_plan": differ}
+    print(f"bits: {swept} configurations (sweep and 16-row fallback) compared with the default "
+          f"plan's output, "
+          f"{len(differ)} differ" + ("".join(f"\n  {d}" for d in differ)), flush=True)
+    save()
 
 
 if __name__ == "__main__":

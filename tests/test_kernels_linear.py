@@ -5,8 +5,9 @@ the same checks run in tests/test_kernels_gpu.py."""
 
 from __future__ import annotations
 
-import json
+import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +18,24 @@ import pytest
 
 from test_kernels_attention import _triton_available
 
-# (M, N, K, dtype, block_n): K not a multiple of BLOCK_K, N not of block_n, M of 1..40 rows.
-SHAPES = [(1, 48, 200, "float32", None), (3, 64, 128, "float32", 16), (17, 40, 300, "float32", 32),
-          (8, 128, 256, "bfloat16", None), (40, 24, 96, "bfloat16", 16), (1, 16, 1, "float32", None)]
-INVARIANCE_ROWS = (1, 5, 16, 33)  # the same first row inside GEMMs of these many rows
+# (M, N, K, dtype, block_n, block_m, dot_m): K not a multiple of BLOCK_K, N not of block_n, M of
+# 1..100 rows; None: the plan's choice. At these tiny N the plan keeps 16-row tiles (wider ones
+# would leave SMs idle), so the last five force wide row tiles: several row blocks per program
+# (dot_m < block_m), some partly or wholly past M, fp32 FMA dots, one 64-row dot (2-warp route).
+SHAPES = [(1, 48, 200, "float32", None, None, None), (3, 64, 128, "float32", 16, None, None),
+          (17, 40, 300, "float32", 32, None, None), (8, 128, 256, "bfloat16", None, None, None),
+          (40, 24, 96, "bfloat16", 16, None, None), (1, 16, 1, "float32", None, None, None),
+          (40, 40, 200, "bfloat16", 32, 64, 32), (70, 24, 300, "bfloat16", 16, 64, 16),
+          (100, 24, 160, "bfloat16", 16, 128, 32), (20, 24, 160, "float32", 16, 32, 16),
+          (50, 40, 130, "bfloat16", 64, 64, 64)]
+INVARIANCE_ROWS = (1, 5, 16, 33, 70)  # the same first row inside GEMMs of these many rows
 INV_N, INV_K = 48, 384
+# (block_m, dot_m, block_n): row tilings of all 70 rows, 16..128-row tiles of 1..4 row blocks.
+TILINGS = [(16, 16, 16), (16, 16, 64), (32, 32, 32), (32, 16, 16), (64, 32, 64), (64, 16, 32),
+           (64, 64, 16), (128, 32, 32), (128, 64, 64), (128, 128, 16)]
+QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+            "down": (4096, 12288), "lm_head": (151936, 4096)}
+PLAN_ROWS = (1, 8, 16, 32, 64, 128, 256)  # decode at 1..16 lanes, verify (8-row blocks) up to 32
 
 
 def _inputs(i, M, N, K, dtype):
@@ -48,9 +62,11 @@ def interpreted(tmp_path_factory):
         return {k: out[k] for k in out.files}
 
 
-@pytest.mark.parametrize("index", range(len(SHAPES)), ids=[f"M{m}_N{n}_K{k}_{d}_bn{b}" for m, n, k, d, b in SHAPES])
+@pytest.mark.parametrize("index", range(len(SHAPES)),
+                         ids=[f"M{m}_N{n}_K{k}_{d}_bn{bn}_bm{bm}_dm{dm}"
+                              for m, n, k, d, bn, bm, dm in SHAPES])
 def test_linear_interpreted_matches_float64(interpreted, index):
-    M, N, K, dtype, _ = SHAPES[index]
+    M, N, K, dtype = SHAPES[index][:4]
     x, w = _inputs(index, M, N, K, dtype)
     want = x.astype(np.float64) @ w.astype(np.float64).T
     got = interpreted[str(index)]
@@ -59,25 +75,79 @@ def test_linear_interpreted_matches_float64(interpreted, index):
 
 
 def test_linear_rows_are_batch_invariant(interpreted):
-    """Row 0 alone and among 5, 16 or 33 rows: the same bits (the interpreter multiplies tiles
+    """Row 0 alone and among 5, 16, 33 or 70 rows: the same bits (the interpreter multiplies tiles
     with numpy, so this checks the tiling contract: fixed row tile and reduction steps)."""
     first = interpreted["inv1"][0]
     for m in INVARIANCE_ROWS[1:]:
         np.testing.assert_array_equal(interpreted[f"inv{m}"][0], first)
 
 
-def test_plan_depends_on_the_shape_only_where_it_may():
+def test_linear_row_tilings_give_the_same_bits(interpreted):
+    """All 70 rows through every row tiling (16..128-row tiles of 1..4 row blocks, 16..128-row
+    dots, 16..64 columns): the default plan's bits, and the right values. Under the interpreter's
+    row-exact dot this holds by construction once every row block is loaded, masked and stored
+    where it belongs, which is what it checks. That the GPU's MMA also gives a row the same bits
+    in every tiling is for the H200 to confirm (tests/test_batch_invariance_gpu.py); the sm_90
+    compile checks below pin the instruction it relies on."""
+    base = interpreted["inv70"]
+    x, w = _inputs(99, max(INVARIANCE_ROWS), INV_N, INV_K, "bfloat16")
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(base, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for bm, dm, bn in TILINGS:
+        got = interpreted[f"tiling_{bm}_{dm}_{bn}"]
+        assert got.shape == base.shape and np.isfinite(got).all()
+        np.testing.assert_array_equal(got, base, err_msg=f"block_m={bm} dot_m={dm} block_n={bn}")
+
+
+def _legacy_plan(M, N, K, sms=132):
+    """The plan before wide row tiles, which FORCE_BLOCK_M = 16 must give back."""
+    block_n = next((bn for bn in (128, 64, 32) if -(-M // 16) * -(-N // bn) >= 2 * sms), 16)
+    return dict(block_m=16, dot_m=16, block_n=block_n, num_warps=4,
+                num_stages=max(2, min(4, (160 * 1024) // ((16 + block_n) * 128 * 2))))
+
+
+def _plan_fields(plan):
+    return {k: getattr(plan, k) for k in ("block_m", "dot_m", "block_n", "num_warps", "num_stages")}
+
+
+def test_plan_depends_on_the_shape_only_where_it_may(monkeypatch):
     if not _triton_available():
         pytest.skip("triton not installed")
-    from jspec.kernels.linear_triton import BLOCK_K, BLOCK_M, make_plan
+    import jspec.kernels.linear_triton as lt
+    from jspec.kernels.linear_triton import BLOCK_K, MMA_M, SMEM_BUDGET, make_plan
+    for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS):
+        plan = make_plan(M, N, K)
+        assert plan.constexprs()["BLOCK_K"] == BLOCK_K  # never from the shape
+        assert plan.block_m % plan.dot_m == 0 and plan.dot_m % MMA_M == 0
+        assert plan.dot_m < 64 or plan.num_warps < 4  # else wgmma (module docstring)
+        assert plan.num_stages * (plan.block_m + plan.block_n) * BLOCK_K * 2 <= SMEM_BUDGET
+        if M <= 16:  # decode: the 16-row tile, exactly as before wide row tiles
+            assert _plan_fields(plan) == _legacy_plan(M, N, K), (M, N, K)
     decode = make_plan(1, 4096, 4096)
     verify = make_plan(256, 4096, 4096)
-    assert decode.constexprs()["BLOCK_K"] == verify.constexprs()["BLOCK_K"] == BLOCK_K
-    assert decode.constexprs()["BLOCK_M"] == verify.constexprs()["BLOCK_M"] == BLOCK_M
     # A skinny GEMM takes the narrowest tile so that every SM has programs; a wide one wider tiles.
     assert decode.block_n == 16 and decode.grid[0] * decode.grid[1] >= 132
     assert make_plan(1, 24576, 4096).block_n == 64
     assert verify.block_n > decode.block_n
+    # Verify at 32 lanes (256 rows) reads each weight tile 2-4 times instead of 16.
+    assert (verify.block_m, verify.dot_m, verify.num_warps) == (64, 32, 4)
+    gate_up = make_plan(256, 24576, 4096)
+    assert (gate_up.block_m, gate_up.dot_m, gate_up.block_n, gate_up.num_warps) == (128, 32, 128, 8)
+    assert make_plan(256, 24576, 4096, ieee_dot=True).block_m == 16  # fp32: FMA dots, kept small
+    # The one-line fallback: FORCE_BLOCK_M = 16 gives back the fixed 16-row tile everywhere.
+    monkeypatch.setattr(lt, "FORCE_BLOCK_M", 16)
+    for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS):
+        assert _plan_fields(make_plan(M, N, K)) == _legacy_plan(M, N, K), (M, N, K)
+    monkeypatch.undo()
+    # Overrides: a 64+-row dot only with 1-2 warps, at most 4 row blocks, powers of two.
+    assert make_plan(256, 4096, 4096, block_m=64, num_warps=2).dot_m == 64
+    assert make_plan(256, 4096, 4096, block_m=128, num_warps=4).dot_m == 32
+    with pytest.raises(ValueError, match="wgmma"):
+        make_plan(256, 4096, 4096, block_m=64, dot_m=64, num_warps=4)
+    with pytest.raises(ValueError, match="row blocks"):
+        make_plan(256, 4096, 4096, block_m=128, dot_m=16)
+    with pytest.raises(ValueError, match="block_m"):
+        make_plan(256, 4096, 4096, block_m=48)
     with pytest.raises(ValueError, match="empty"):
         make_plan(0, 8, 8)
 
@@ -124,49 +194,111 @@ def _interpret_worker(work: Path) -> None:
     from jspec.kernels.linear_triton import launch_torch
 
     out = {}
-    for i, (M, N, K, dtype, block_n) in enumerate(SHAPES):
+    for i, (M, N, K, dtype, block_n, block_m, dot_m) in enumerate(SHAPES):
         x, w = _inputs(i, M, N, K, dtype)
         tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         out[str(i)] = launch_torch(torch.from_numpy(x).to(tdt), torch.from_numpy(w).to(tdt),
-                                   block_n=block_n).numpy()
-    x, w = _inputs(99, max(INVARIANCE_ROWS), INV_N, INV_K, "bfloat16")
+                                   block_n=block_n, block_m=block_m, dot_m=dot_m,
+                                   num_warps=2 if (dot_m or 0) >= 64 else None).numpy()
+    x, w = (torch.from_numpy(a).to(torch.bfloat16)
+            for a in _inputs(99, max(INVARIANCE_ROWS), INV_N, INV_K, "bfloat16"))
     for m in INVARIANCE_ROWS:
-        out[f"inv{m}"] = launch_torch(torch.from_numpy(x[:m]).to(torch.bfloat16),
-                                      torch.from_numpy(w).to(torch.bfloat16), block_n=16).numpy()
+        out[f"inv{m}"] = launch_torch(x[:m], w, block_n=16).numpy()
+    for bm, dm, bn in TILINGS:  # the interpreter ignores the warps; 2 let a 64+-row dot through
+        out[f"tiling_{bm}_{dm}_{bn}"] = launch_torch(x, w, block_m=bm, dot_m=dm, block_n=bn,
+                                                     num_warps=2 if dm >= 64 else None).numpy()
     _attention_worker(out)
     np.savez(work / "out.npz", **out)
 
 
+# ---- sm_90 compile checks: the instruction the invariance argument rests on ---------------------
 
-@pytest.mark.parametrize("M,N,K", [(1, 6144, 4096), (8, 4096, 12288), (256, 24576, 4096),
-                                   (8, 151936, 4096)], ids=["qkv_decode", "down_verify",
-                                                            "gate_up_busy", "lm_head_verify"])
-def test_linear_compiles_for_sm90(M, N, K):
-    """The GPU compiler accepts the kernel at Qwen3-8B shapes: shared memory fits, no spills."""
-    if not _triton_available():
-        pytest.skip("triton not installed")
+def _sm90_cases():
+    """(id, M, N, K, overrides), one per distinct kernel configuration: every plan make_plan makes
+    at Qwen3-8B's shapes for 1..256 rows, and the 1-2-warp route to a 64/128-row dot (override)."""
+    try:
+        from jspec.kernels.linear_triton import make_plan
+    except Exception:  # noqa: BLE001 - no triton: the tests skip
+        return [("no_triton", 1, 16, 16, {})]
+    cases = {}
+    wanted = [((M, N, K), {}) for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS)]
+    wanted += [((256, 4096, 4096), dict(block_m=64, block_n=64, num_warps=2)),
+               ((256, 4096, 4096), dict(block_m=128, block_n=32, num_warps=2))]
+    for (M, N, K), kw in wanted:
+        p = make_plan(M, N, K, **kw)
+        key = f"bm{p.block_m}_dm{p.dot_m}_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}"
+        cases.setdefault(key, (key, M, N, K, kw))
+    return sorted(cases.values())
+
+
+def _compile_sm90(constexprs, num_warps, num_stages, dtype="bf16"):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from jspec.kernels.linear_triton import _kernel, interpreter_enabled, make_plan
+    from jspec.kernels.linear_triton import _kernel, interpreter_enabled
     if interpreter_enabled():
         pytest.skip("TRITON_INTERPRET is set for this process")
-    plan = make_plan(M, N, K)
-    constexprs = plan.constexprs()
-    signature = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32",
+    signature = dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", y_ptr="*fp32",
                      **{k: "constexpr" for k in constexprs})
     try:
-        compiled = triton.compile(
+        return triton.compile(
             ASTSource(fn=_kernel(), signature=signature, constexprs=constexprs,
                       attrs={(i,): [["tt.divisibility", 16]] for i in range(3)}),
             target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
+            options=dict(num_warps=num_warps, num_stages=num_stages))
     except ImportError as e:
         pytest.skip(f"no NVIDIA backend in this triton: {e}")
+
+
+def _spill_bytes(cubin: bytes) -> int | None:
+    """Local-memory stack of the compiled kernel (spills), from cuobjdump; None without it."""
+    import tempfile
+
+    import triton
+    try:
+        tool = triton.knobs.nvidia.cuobjdump.path
+    except Exception:  # noqa: BLE001 - an optional check
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True)
+    m = re.search(r"STACK:(\d+)", res.stdout)
+    return int(m.group(1)) if m else None
+
+
+@pytest.mark.parametrize("case", _sm90_cases(), ids=lambda c: c[0])
+def test_linear_compiles_for_sm90(case):
+    """Every kernel configuration a plan can take compiles for the H200 to mma.sync m16n8k16 (bf16
+    in, fp32 accumulate) and nothing else, never wgmma; shared memory fits, no spills."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.linear_triton import make_plan
+    _, M, N, K, kw = case
+    plan = make_plan(M, N, K, **kw)
+    compiled = _compile_sm90(plan.constexprs(), plan.num_warps, plan.num_stages)
     assert compiled.metadata.shared <= 227 * 1024
     ptx = compiled.asm["ptx"]
-    assert "mma.sync" in ptx and "wgmma" not in ptx  # the fixed 16-row MMA (module docstring)
+    assert "wgmma" not in ptx
+    mmas = re.findall(r"\bmma\.\S+", ptx)
+    assert mmas and set(mmas) == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}
+    spills = _spill_bytes(compiled.asm["cubin"])
+    assert spills in (None, 0), f"{spills} bytes of spills"
+
+
+def test_sm90_dot_of_64_rows_with_4_warps_is_wgmma():
+    """The negative control, and Triton 3.6's rule that make_plan encodes (module docstring): the
+    same kernel with one 64-row dot and 4 warps compiles to wgmma. If a Triton upgrade changes
+    the rule, re-check make_plan's dot_m / num_warps choice before trusting this file."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.linear_triton import BLOCK_K
+    constexprs = dict(M=256, N=4096, K=4096, BLOCK_M=64, DOT_M=64, BLOCK_N=64, BLOCK_K=BLOCK_K,
+                      IEEE_DOT=False)
+    ptx = _compile_sm90(constexprs, num_warps=4, num_stages=3).asm["ptx"]
+    assert "wgmma" in ptx and "mma.sync" not in ptx
 
 
 # ---- the attention kernel's batch-invariant plan (same interpreter worker) --------------------
