@@ -65,12 +65,15 @@ class LLM:
                  num_draft_tokens: int | None = None, dtype: str | None = None, max_lanes: int = 8,
                  max_context: int = 4096, page_size: int = 16, num_pages: int | None = None,
                  decode_steps: int | None = None, prefill_chunk: int = 256, attn_impl: str = "auto",
-                 batch_invariant: bool = False, progress: bool = False):
+                 batch_invariant: bool = False, draft_kv_dtype: str | None = None,
+                 progress: bool = False):
         """`draft`: a DSpark / DFlash drafter directory for `model`; speculative decoding then
         proposes `num_draft_tokens` (default: the drafter's block size) tokens per step.
         `batch_invariant` (GPU): the target's matmuls and attention through batch-invariant
         kernels, so its numbers never depend on what is batched with a request or on how many
-        tokens a step verifies (EngineConfig.batch_invariant)."""
+        tokens a step verifies (EngineConfig.batch_invariant).
+        `draft_kv_dtype`: the drafter's KV pool dtype, None (the model's) or "float8_e4m3fn"
+        (half the pool in bf16; changes acceptance only, never the output distribution)."""
         from jspec.loading import load_drafter, load_model
         from jspec.tokenizer import Tokenizer
 
@@ -84,6 +87,8 @@ class LLM:
             draft_cfg, drafter = load_drafter(draft, self.cfg, model_module, progress=progress)
         elif num_draft_tokens is not None:
             raise ValueError("num_draft_tokens needs a draft model")
+        elif draft_kv_dtype is not None:
+            raise ValueError("draft_kv_dtype needs a draft model (it is the drafter's KV pool)")
         try:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
         except (FileNotFoundError, ValueError) as e:
@@ -94,7 +99,7 @@ class LLM:
         self.engine = Engine(self.cfg, model_module, self.tokenizer.eos_ids, EngineConfig(
             max_lanes=max_lanes, page_size=page_size, max_context=max_context, num_pages=num_pages,
             prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl,
-            batch_invariant=batch_invariant),
+            batch_invariant=batch_invariant, draft_kv_dtype=draft_kv_dtype),
             drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens)
         self._seeds = np.random.default_rng()
 

@@ -35,7 +35,7 @@ def _cmd_generate(args) -> int:
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
               max_lanes=args.max_lanes, max_context=args.max_context, attn_impl=args.attn_impl,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, draft_kv_dtype=args.draft_kv_dtype)
     stream = not args.json and len(prompts) == 1
 
     def on_text(i, text):
@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "triton"])
     p.add_argument("--batch-invariant", action="store_true", help="GPU: batch-invariant target "
                    "kernels (a request's numbers never depend on its batch or the verify width)")
+    p.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"], help="with --draft: the "
+                   "drafter's KV pool dtype (default: the model's); float8_e4m3fn halves it and "
+                   "changes acceptance only, never the output distribution")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=_cmd_generate)
 

@@ -82,6 +82,10 @@ class Request:
                 for k in range(1, num_draft + 1)]
 
 
+# Drafter KV pool dtypes: None (the model's) or fp8 e4m3 (the format the kernels widen exactly).
+DRAFT_KV_DTYPES = (None, "float8_e4m3fn")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_lanes: int = 8
@@ -94,9 +98,22 @@ class EngineConfig:
     # GPU only: the target's matmuls and attention through batch-invariant kernels, so that a
     # verify row and a decode row compute the same bits (kernels/linear.py). Not yet measured.
     batch_invariant: bool = False
+    # The drafter's KV pool dtype: None = the model dtype; "float8_e4m3fn" halves the pool (bf16).
+    # It changes only what the drafter proposes (acceptance), never the output distribution: the
+    # target's pool, the verifier and the rejection sampler are untouched. Writes clip to the
+    # format's finite range (kernels/kv_cache_write.py); reads widen pages to the query dtype.
+    # Ignored by a stock engine (no drafter pool): one EngineConfig is shared by the stock and
+    # speculative engines of a comparison (jspec bench builds both from one base), and a stock
+    # engine computes the same bits with or without it. LLM refuses it without a drafter.
+    draft_kv_dtype: str | None = None
 
     # Positions a step may write past the committed length (verify writes K+1); set by Engine.
     step_width: int = 1
+
+    def __post_init__(self):
+        if self.draft_kv_dtype not in DRAFT_KV_DTYPES:
+            raise ValueError(f"draft_kv_dtype must be one of {DRAFT_KV_DTYPES} (None: the model "
+                             f"dtype), got {self.draft_kv_dtype!r}")
 
     @property
     def pages_per_lane(self) -> int:
@@ -157,7 +174,8 @@ class Engine:
             self.params = (target_params, draft_params)
             # The drafter's pool mirrors the target's pages (same page table), with its layers.
             self.draft_cache_shape = dataclasses.replace(
-                self.cache_shape, num_layers=draft_cfg.layers.num_layers)
+                self.cache_shape, num_layers=draft_cfg.layers.num_layers,
+                dtype=engine_cfg.draft_kv_dtype or cfg.dtype)
             self.caches = (init_kv_caches(self.cache_shape), init_kv_caches(self.draft_cache_shape))
             self.programs = shared_programs(SpecPrograms, graphdef, draft_graphdef, draft_cfg,
                                             engine_cfg.page_size, self.eos_ids,

@@ -1,6 +1,7 @@
 """The paged KV cache: per-layer page pools on the device, a page allocator on the host.
 
-Device: for every layer a key pool and a value pool of shape [num_pages, page_size, Hkv, hd].
+Device: for every layer a key pool and a value pool of shape [num_pages, page_size, Hkv, hd], in
+CacheShape.dtype (the model's; the drafter's pool may be float8_e4m3fn, EngineConfig.draft_kv_dtype).
 Host: a free list of page ids. Page 0 is the null page: never allocated, it is where padding and
 idle lanes write, and no valid length ever reads it.
 """
@@ -30,6 +31,11 @@ class CacheShape:
         """Bytes of one page over all layers, keys and values."""
         return (2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
                 * jnp.dtype(self.dtype).itemsize)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's K and V over all layers (in the pool's dtype)."""
+        return self.page_bytes // self.page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

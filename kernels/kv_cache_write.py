@@ -2,6 +2,11 @@
 
 A slot is `page * page_size + offset`. Padding tokens carry slots in page 0, the null page, which
 no kernel reads through a valid length, so writing garbage there is harmless.
+
+New rows are cast to the pool's dtype. An fp8 pool (the drafter's, EngineConfig.draft_kv_dtype)
+gets them clipped to the format's finite range first: float8_e4m3fn has no infinity, so a value
+past +-448 would be stored as NaN, and one NaN key poisons every query of the lane that attends
+to it (the drafter would then propose garbage for the rest of the request).
 """
 
 from __future__ import annotations
@@ -34,7 +39,17 @@ def write_kv(
 
     def scatter(pages, new):
         rows = pages.reshape(num_pages * page_size, num_kv_heads, head_dim)
-        rows = rows.at[slots].set(new.astype(pages.dtype), mode="drop")
+        rows = rows.at[slots].set(to_pool_dtype(new, pages.dtype), mode="drop")
         return rows.reshape(num_pages, page_size, num_kv_heads, head_dim)
 
     return scatter(k_pages, k_new), scatter(v_pages, v_new)
+
+
+def to_pool_dtype(x: jax.Array, dtype) -> jax.Array:
+    """x in the pool's dtype; 8-bit floats are clipped to their finite range first (an
+    out-of-range cast gives NaN, see above). Other dtypes: a plain cast (a no-op when equal)."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype != dtype and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
+        big = float(jnp.finfo(dtype).max)  # 448 for e4m3fn: exact in bf16, fp16 and fp32
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)

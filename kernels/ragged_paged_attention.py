@@ -17,6 +17,9 @@ Implementations behind `impl`:
 `max_q_len` is a static bound on every lane's q_len that kernels tile by (1 decode, k+1 verify,
 the chunk for prefill); None means T. Queries of a lane beyond it are not computed, so it must
 really bound them. kv_len >= q_len is assumed; a query with no visible key gets zeros.
+
+Pages are in q's dtype, or float8_e4m3fn (the drafter's fp8 pool, EngineConfig.draft_kv_dtype):
+every implementation widens them to q's dtype as it reads them.
 """
 
 from __future__ import annotations
@@ -52,6 +55,20 @@ def check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens) -> None:
         raise ValueError(f"cu_q_lens must be [{num_lanes + 1}], got {cu_q_lens.shape}")
 
 
+# Page dtypes other than q's: the drafter's fp8 pool, read by bf16 or fp32 queries.
+NARROW_PAGE_DTYPES = {jnp.dtype("float8_e4m3fn"): (jnp.dtype("bfloat16"), jnp.dtype("float32"))}
+
+
+def check_dtypes(q_dtype, k_dtype, v_dtype) -> None:
+    """Pages in q's dtype, or fp8 e4m3 pages with bf16/fp32 queries (widened exactly on read)."""
+    q_dtype, k_dtype, v_dtype = map(jnp.dtype, (q_dtype, k_dtype, v_dtype))
+    if k_dtype != v_dtype:
+        raise ValueError(f"k_pages and v_pages dtypes differ: {k_dtype}, {v_dtype}")
+    if k_dtype != q_dtype and q_dtype not in NARROW_PAGE_DTYPES.get(k_dtype, ()):
+        raise ValueError(f"pages in {k_dtype} with q in {q_dtype}: pages must be in q's dtype, or "
+                         "float8_e4m3fn with bfloat16 / float32 queries")
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [P, S, Hkv, D]
@@ -66,6 +83,7 @@ def ragged_paged_attention(
     impl: str = "auto",
 ) -> jax.Array:  # [T, Hq, D] in q.dtype; rows past cu_q_lens[-1] are zeros
     check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens)
+    check_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
@@ -127,8 +145,10 @@ def ragged_paged_attention_xla(
     # at or past kv_len (stale tokens, the null page) are zeroed so NaN there cannot leak via p*v.
     s = jnp.arange(kv_cap, dtype=jnp.int32)
     kv_valid_bs = s[None, :] < kv_lens[:, None]
-    k_bskd = k_pages[page_table].reshape(num_lanes, kv_cap, num_kv_heads, head_dim)
-    v_bskd = v_pages[page_table].reshape(num_lanes, kv_cap, num_kv_heads, head_dim)
+    # Pages are read in the query's dtype, as the Triton kernel reads them: a no-op for pages in
+    # the model dtype; exact for an fp8 pool (every float8_e4m3fn value is a bf16/fp16/fp32 one).
+    k_bskd = k_pages[page_table].reshape(num_lanes, kv_cap, num_kv_heads, head_dim).astype(q.dtype)
+    v_bskd = v_pages[page_table].reshape(num_lanes, kv_cap, num_kv_heads, head_dim).astype(q.dtype)
     k_bskd = jnp.where(kv_valid_bs[:, :, None, None], k_bskd.astype(jnp.float32), 0.0)
     v_bskd = jnp.where(kv_valid_bs[:, :, None, None], v_bskd.astype(jnp.float32), 0.0)
 

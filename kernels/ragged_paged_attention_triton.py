@@ -17,6 +17,8 @@ Design (one program = one lane x one q block x one kv head x one KV split):
     split the kernel writes the final output directly and no merge runs.
   * Masking: key position k is visible to query position p when k < kv_len and (causal) k <= p.
     A row with no visible key gets output 0 (never NaN).
+  * Page dtype: q's, or float8_e4m3fn (the drafter's fp8 pool) widened to q's dtype right after
+    each load, so the dots and the softmax are the bf16 / fp32 kernel's.
 """
 
 from __future__ import annotations
@@ -120,7 +122,10 @@ def _rpa_fwd_kernel(
         # int64: page * page stride overflows int32 for pools above 2^31 elements.
         kv_off = (page.to(tl.int64) * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM)
                   + (k_pos % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM)
+        # Pages are widened to q's dtype as they are loaded: exact for fp8 e4m3 pages (the
+        # drafter's fp8 pool), a no-op when they are already in q's dtype.
         k_dn = tl.load(k_ptr + kv_off[None, :] + dims[:, None], mask=k_valid[None, :], other=0.0)
+        k_dn = k_dn.to(q.dtype)
         if IEEE_DOT:
             s = tl.dot(q, k_dn, input_precision="ieee")
         else:
@@ -139,6 +144,7 @@ def _rpa_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_nd = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=k_valid[:, None], other=0.0)
+        v_nd = v_nd.to(q.dtype)
         if IEEE_DOT:
             pv = tl.dot(p.to(v_nd.dtype), v_nd, input_precision="ieee")
         else:
@@ -397,9 +403,9 @@ def ragged_paged_attention_triton(
     import jax.numpy as jnp
     import jax_triton as jt
 
-    if q.dtype != k_pages.dtype or q.dtype != v_pages.dtype:
-        raise ValueError(f"q, k_pages, v_pages dtypes differ: {q.dtype}, {k_pages.dtype}, "
-                         f"{v_pages.dtype}")
+    from jspec.kernels.ragged_paged_attention import check_dtypes
+
+    check_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)  # q's dtype, or fp8 pages (widened on load)
     overrides.setdefault("num_sms", _device_num_sms())
     plan = _plan_for(q.shape, k_pages.shape, page_table.shape, q.dtype, causal=causal,
                      max_q_len=max_q_len, **overrides)
@@ -443,6 +449,8 @@ def launch_torch(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, *, sm_scal
     if q.device.type == "cpu" and not interpreter_enabled():
         raise RuntimeError("CPU tensors run only under Triton's interpreter: start the process "
                            "with TRITON_INTERPRET=1")
+    from jspec.kernels.ragged_paged_attention import check_dtypes
+    check_dtypes(*(str(t.dtype).removeprefix("torch.") for t in (q, k_pages, v_pages)))
 
     dtype_np = np.float32 if q.dtype == torch.float32 else np.float16  # only fp32-ness matters
     plan = _plan_for(tuple(q.shape), tuple(k_pages.shape), tuple(page_table.shape), dtype_np,

@@ -3,6 +3,10 @@
 and verify-only times, device memory of the drafter and its cache, and the HBM bound.
 
   python3 scripts/bench_steps.py --out $OUT/steps.json [--lanes 1,16,32] [--contexts 512,4096]
+                                [--draft-kv-dtype float8_e4m3fn]
+
+`speculation_extra_bytes_at` is the issue's memory target read off the record: drafter weights
+plus the drafter's KV cache for 32 lanes x 4096 tokens, in the pool's actual dtype.
 
 Lanes sit at the given context length with random K/V; every figure is the median of timed
 dispatches of `--steps` steps (or iterations) after a compile + warm-up dispatch. Results are
@@ -34,6 +38,8 @@ def main():
     ap.add_argument("--taps", default="1,9,17,25,33")
     ap.add_argument("--skip-stock", action="store_true")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant")
+    ap.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"],
+                    help="EngineConfig.draft_kv_dtype (default: the model dtype)")
     ap.add_argument("--skip-iteration", action="store_true", help="only the draft / verify split")
     ap.add_argument("--split-lanes", default="1", help="lane counts at which draft and verify "
                     "are also timed alone (at the first context)")
@@ -54,7 +60,8 @@ def main():
     cfg = PRESETS[args.preset].replace(dtype="bfloat16")
     rec = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "preset": args.preset,
            "attn_impl": args.attn_impl, "steps_per_dispatch": args.steps,
-           "page_size": args.page_size, "temperature": args.temperature, "stock": [], "spec": []}
+           "page_size": args.page_size, "temperature": args.temperature,
+           "draft_kv_dtype": args.draft_kv_dtype, "stock": [], "spec": []}
 
     def save():
         with open(args.out, "w") as f:
@@ -96,8 +103,13 @@ def main():
 
     def random_caches(caches, seed):
         key = jax.random.key(seed)
-        return [tuple(jax.random.normal(jax.random.fold_in(key, 2 * i + j), c.shape, c.dtype)
-                      for j, c in enumerate(pair)) for i, pair in enumerate(caches)]
+
+        def normal(k, c):  # an fp8 pool: fp32 normals rounded (8 random bits are too coarse)
+            draw = jnp.float32 if c.dtype.itemsize == 1 else c.dtype
+            return jax.random.normal(k, c.shape, draw).astype(c.dtype)
+
+        return [tuple(normal(jax.random.fold_in(key, 2 * i + j), c) for j, c in enumerate(pair))
+                for i, pair in enumerate(caches)]
 
     def state_for(eng, lanes, ctx):
         ppl = eng.ecfg.pages_per_lane
@@ -115,7 +127,8 @@ def main():
         return EngineConfig(max_lanes=max_lanes, page_size=args.page_size,
                             max_context=max(contexts) + (args.steps + 1) * width,
                             decode_steps=args.steps, attn_impl=args.attn_impl,
-                            batch_invariant=args.batch_invariant)
+                            batch_invariant=args.batch_invariant,
+                            draft_kv_dtype=args.draft_kv_dtype)
 
     if not args.skip_stock:
         eng = Engine(cfg, target, (), ecfg_for(1))
@@ -143,8 +156,23 @@ def main():
 
     eng = Engine(cfg, target, (), ecfg_for(8), drafter=drafter, draft_cfg=dcfg)
     eng.caches = (random_caches(eng.caches[0], 2), random_caches(eng.caches[1], 3))
-    rec["draft_cache_bytes_per_token"] = 2 * dcfg.layers.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-    rec["target_cache_bytes_per_token"] = kv_token_bytes
+    # From the pools the engine built (their dtypes), not from the model dtype.
+    rec["draft_cache_dtype"] = str(eng.draft_cache_shape.dtype)
+    rec["draft_cache_bytes_per_token"] = eng.draft_cache_shape.token_bytes
+    rec["target_cache_bytes_per_token"] = eng.cache_shape.token_bytes
+    extra_lanes, extra_ctx = 32, 4096  # the target: <= 4 GiB at 32 lanes x 4096 tokens
+    extra_cache = extra_lanes * extra_ctx * rec["draft_cache_bytes_per_token"]
+    rec["speculation_extra_bytes_at"] = {
+        "lanes": extra_lanes, "context": extra_ctx,
+        "drafter_weight_bytes": rec["drafter_weight_bytes"], "draft_cache_bytes": extra_cache,
+        "bytes": rec["drafter_weight_bytes"] + extra_cache,
+        "GiB": (rec["drafter_weight_bytes"] + extra_cache) / 2**30}
+    x = rec["speculation_extra_bytes_at"]
+    print(f"speculation_extra_bytes_at {extra_lanes} lanes x {extra_ctx} tokens: {x['bytes']} "
+          f"({x['GiB']:.2f} GiB = drafter weights {x['drafter_weight_bytes'] / 2**30:.2f} GiB + "
+          f"drafter KV {extra_cache / 2**30:.2f} GiB at {rec['draft_cache_bytes_per_token']} "
+          f"bytes/token in {rec['draft_cache_dtype']})", flush=True)
+    save()
     tgt, drf = eng.programs.models(eng.params)
     # Caches donated and returned, as inside the iteration: otherwise every call copies the pool.
     draft_only = jax.jit(lambda p, dc, st: eng.programs.draft(*eng.programs.models(p), dc, st),

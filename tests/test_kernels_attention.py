@@ -49,6 +49,7 @@ class Case:
     group: int = 4
     head_dim: int = 64
     dtype: str = "float32"
+    kv_dtype: str | None = None  # the pages' dtype when not q's (float8_e4m3fn: the drafter's pool)
     causal: bool = True
     max_q_len: int | None = None
     pad_tokens: int = 3  # rows of q past cu_q_lens[-1]
@@ -58,6 +59,10 @@ class Case:
     @property
     def sm_scale(self) -> float:
         return self.head_dim ** -0.5
+
+    @property
+    def page_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
 
 CASES = [
@@ -83,13 +88,19 @@ CASES = [
          dtype="bfloat16", max_q_len=40, overrides=(("block_q", 4), ("num_splits", 3))),
     Case("noncausal_ps64_g2_d128", (16, 4), (16, 200), page_size=64, group=2, head_dim=128,
          causal=False, max_q_len=16),
+    # fp8 pages (EngineConfig.draft_kv_dtype): the drafter's block with bf16 queries, and a
+    # split decode with fp32 queries (IEEE dots: the pages widen exactly, so fp32's tolerance).
+    Case("drafter_noncausal_ps16_g4_bf16_fp8kv", (7, 7, 0), (30, 7, 4), dtype="bfloat16",
+         kv_dtype="float8_e4m3fn", causal=False, max_q_len=7, overrides=(("num_splits", 2),)),
+    Case("decode_ps16_g2_f32_fp8kv_split", (1, 1, 1), (17, 40, 9), group=2,
+         kv_dtype="float8_e4m3fn", max_q_len=1, overrides=(("num_splits", 2), ("block_n", 16))),
 ]
 
 
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values exactly representable in `dtype`."""
-    if dtype == "bfloat16":
-        return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    if dtype in ("bfloat16", "float8_e4m3fn"):
+        return x.astype(getattr(ml_dtypes, dtype)).astype(np.float32)
     return x.astype(np.float32)
 
 
@@ -115,8 +126,8 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, np.ndarray]:
             page = free.pop()
             page_table[b, i] = page
             n = min(s, kv_len - i * s)
-            k_pages[page, :n] = _round(rng.standard_normal((n, hkv, d)), case.dtype)
-            v_pages[page, :n] = _round(rng.standard_normal((n, hkv, d)), case.dtype)
+            k_pages[page, :n] = _round(rng.standard_normal((n, hkv, d)), case.page_dtype)
+            v_pages[page, :n] = _round(rng.standard_normal((n, hkv, d)), case.page_dtype)
 
     q = _round(rng.standard_normal((num_tokens, hq, d)), case.dtype)
     cu_q_lens = np.concatenate([[0], np.cumsum(case.q_lens)]).astype(np.int32)
@@ -160,8 +171,8 @@ def tolerance(case: Case) -> float:
 
 
 def to_jax(case: Case, x: dict[str, np.ndarray]) -> tuple:
-    dt = jnp.dtype(case.dtype)
-    return (jnp.asarray(x["q"], dt), jnp.asarray(x["k_pages"], dt), jnp.asarray(x["v_pages"], dt),
+    dt, pdt = jnp.dtype(case.dtype), jnp.dtype(case.page_dtype)
+    return (jnp.asarray(x["q"], dt), jnp.asarray(x["k_pages"], pdt), jnp.asarray(x["v_pages"], pdt),
             jnp.asarray(x["kv_lens"]), jnp.asarray(x["page_table"]), jnp.asarray(x["cu_q_lens"]))
 
 
@@ -211,6 +222,30 @@ def test_dispatch_rejects_bad_input():
         ragged_paged_attention(*args[:5], args[5][:-1], sm_scale=1.0)
     with pytest.raises(ValueError, match="multiple"):
         ragged_paged_attention(args[0][:, :3], *args[1:], sm_scale=1.0)
+    # Pages in another dtype than q's: only fp8 e4m3 pages under bf16 / fp32 queries.
+    with pytest.raises(ValueError, match="pages in bfloat16 with q in float32"):
+        ragged_paged_attention(args[0], args[1].astype(jnp.bfloat16), args[2].astype(jnp.bfloat16),
+                               *args[3:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="float8_e4m3fn with bfloat16 / float32 queries"):
+        ragged_paged_attention(args[0].astype(jnp.float16), args[1].astype(jnp.float8_e4m3fn),
+                               args[2].astype(jnp.float8_e4m3fn), *args[3:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="k_pages and v_pages dtypes differ"):
+        ragged_paged_attention(args[0], args[1].astype(jnp.float8_e4m3fn), *args[2:], sm_scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_xla_reference_fp8_pages_are_the_rounded_pages(dtype):
+    """fp8 pages are read exactly: the same bits as pages pre-rounded to fp8 and stored in q's
+    dtype (so an fp8 drafter pool costs only the rounding of what is written)."""
+    case = Case("fp8", (7, 1, 7), (30, 17, 7), dtype=dtype, causal=False, max_q_len=7)
+    q, k_pages, v_pages, *rest = to_jax(case, make_inputs(case, seed=5))
+    k8, v8 = k_pages.astype(jnp.float8_e4m3fn), v_pages.astype(jnp.float8_e4m3fn)
+    fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=case.sm_scale, causal=False,
+                                   max_q_len=7, impl="xla"))
+    out8 = np.asarray(fn(q, k8, v8, *rest).astype(jnp.float32))
+    ref = np.asarray(fn(q, k8.astype(q.dtype), v8.astype(q.dtype), *rest).astype(jnp.float32))
+    assert np.isfinite(out8).all()
+    np.testing.assert_array_equal(out8, ref)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,6 +299,24 @@ def test_write_kv_then_attend():
     assert_close(case, out, expected, "write_kv+attention")
 
 
+def test_write_kv_into_fp8_pool_clips_to_its_finite_range():
+    """float8_e4m3fn has no infinity: 1e4 cast plainly is NaN. write_kv stores +-448 instead, and
+    in-range values as the plain cast rounds them."""
+    k_pages = jnp.zeros((2, 4, 1, 4), jnp.float8_e4m3fn)
+    new = jnp.asarray([[[1e4, -1e4, 460.0, 0.3]], [[447.0, -3.0, 1e-3, 1e30]]], jnp.float32)
+    assert np.isnan(np.asarray(new.astype(jnp.float8_e4m3fn).astype(jnp.float32))).any()
+    for dt in (jnp.float32, jnp.bfloat16):
+        k_out, v_out = jax.jit(write_kv)(k_pages, k_pages, new.astype(dt), new.astype(dt),
+                                         jnp.asarray([5, 2], jnp.int32))
+        assert k_out.dtype == v_out.dtype == jnp.float8_e4m3fn
+        rows = np.asarray(k_out.astype(jnp.float32)).reshape(8, 4)
+        np.testing.assert_array_equal(rows[5], [448.0, -448.0, 448.0, 0.3125])
+        np.testing.assert_array_equal(
+            rows[2], np.asarray(jnp.asarray([448.0, -3.0, 1e-3, 448.0], dt)
+                                .astype(jnp.float8_e4m3fn).astype(jnp.float32)))
+        assert np.isfinite(rows).all()
+
+
 def test_write_kv_rejects_bad_shapes():
     pages = jnp.zeros((2, 4, 2, 8))
     with pytest.raises(ValueError, match="k_new"):
@@ -294,7 +347,8 @@ def interpreted_outputs(tmp_path_factory):
     for i, case in enumerate(CASES):
         for key, value in make_inputs(case).items():
             arrays[f"{i}.{key}"] = value
-        spec.append(dict(index=i, dtype=case.dtype, sm_scale=case.sm_scale, causal=case.causal,
+        spec.append(dict(index=i, dtype=case.dtype, page_dtype=case.page_dtype,
+                         sm_scale=case.sm_scale, causal=case.causal,
                          max_q_len=case.max_q_len, overrides=dict(case.overrides)))
     np.savez(work / "in.npz", **arrays)
     (work / "spec.json").write_text(json.dumps(spec))
@@ -346,7 +400,7 @@ def test_triton_plan_heuristics():
     assert (p.block_m, p.q_blocks, p.num_splits) == (128, 16, 1)
 
 
-def _compile_sm90(plan, dtype: str):
+def _compile_sm90(plan, dtype: str, page_dtype: str | None = None):
     """Ahead-of-time compile of the fwd kernel for an H100/H200 (sm_90) with the real Triton
     compiler and the ptxas bundled in the triton wheel: no GPU needed. Pointer arguments carry
     the 16-byte divisibility that jax-triton declares for XLA buffers."""
@@ -370,7 +424,7 @@ def _compile_sm90(plan, dtype: str):
                        target=target, options=dict(num_warps=4, num_stages=1))
     names = ["q_ptr", "k_ptr", "v_ptr", "kv_lens_ptr", "page_table_ptr", "cu_q_lens_ptr",
              "o_ptr", "lse_ptr"]
-    types = [f"*{dtype}"] * 3 + ["*i32"] * 3 + [
+    types = [f"*{dtype}"] + [f"*{page_dtype or dtype}"] * 2 + ["*i32"] * 3 + [
         f"*{dtype}" if plan.num_splits == 1 else "*fp32", "*fp32"]
     constexprs = dict(SM_SCALE=0.088, **plan.fwd_constexprs())
     signature = dict(zip(names, types), **{k: "constexpr" for k in constexprs})
@@ -408,6 +462,27 @@ def test_triton_compiles_for_sm90(max_q_len, num_tokens, num_lanes):
                      causal=True, ieee_dot=False, num_sms=132)
     try:
         result = _compile_sm90(plan, "bf16")
+    except ImportError as e:  # a triton build without the NVIDIA backend
+        pytest.skip(f"no NVIDIA backend in this triton: {e}")
+    assert result["shared"] <= 227 * 1024
+    assert result["vector_copies"] > 0
+    assert not result["spills"], result["ptxas"]
+
+
+@pytest.mark.parametrize("max_q_len,causal", [(1, True), (7, False)], ids=["decode", "draft_block"])
+def test_triton_compiles_for_sm90_with_fp8_pages(max_q_len, causal):
+    """The drafter's fp8 pool (fp8e4nv, jax-triton's name for float8_e4m3fn) under bf16 queries:
+    the sm_90 compiler converts the loaded tiles, K/V still stream through cp.async, no spills."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.ragged_paged_attention_triton import interpreter_enabled, make_plan
+    if interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET is set for this process")
+    plan = make_plan(num_tokens=32 * max_q_len, num_lanes=32, num_q_heads=32, num_kv_heads=8,
+                     head_dim=128, page_size=16, pages_per_lane=256, max_q_len=max_q_len,
+                     causal=causal, ieee_dot=False, num_sms=132)
+    try:
+        result = _compile_sm90(plan, "bf16", page_dtype="fp8e4nv")
     except ImportError as e:  # a triton build without the NVIDIA backend
         pytest.skip(f"no NVIDIA backend in this triton: {e}")
     assert result["shared"] <= 227 * 1024
@@ -457,9 +532,9 @@ def _interpret_worker(work: Path) -> None:
     with np.load(work / "in.npz") as arrays:
         for item in spec:
             i = item["index"]
-            tdt = torch.bfloat16 if item["dtype"] == "bfloat16" else torch.float32
-            q, k, v = (torch.from_numpy(arrays[f"{i}.{n}"]).to(tdt)
-                       for n in ("q", "k_pages", "v_pages"))
+            q, k, v = (torch.from_numpy(arrays[f"{i}.{n}"]).to(getattr(torch, item[dt]))
+                       for n, dt in (("q", "dtype"), ("k_pages", "page_dtype"),
+                                     ("v_pages", "page_dtype")))
             ints = [torch.from_numpy(arrays[f"{i}.{n}"])
                     for n in ("kv_lens", "page_table", "cu_q_lens")]
             out = launch_torch(q, k, v, *ints, sm_scale=item["sm_scale"], causal=item["causal"],

@@ -83,6 +83,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action="store_true", help="GPU: the target's matmuls and "
                    "attention through batch-invariant kernels in both engines (verify rows and "
                    "decode rows compute the same bits)")
+    p.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"], help="the drafter's KV pool "
+                   "dtype (default: the model's); float8_e4m3fn halves it (acceptance may change, "
+                   "the output distribution does not)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="target dtype (default: the checkpoint's)")
     p.add_argument("--fresh", action="store_true", help="delete earlier parts in --out first")
@@ -107,6 +110,8 @@ def command_line(args) -> str:
         words += ["--dtype", args.dtype]
     if args.batch_invariant:
         words.append("--batch-invariant")
+    if args.draft_kv_dtype:
+        words += ["--draft-kv-dtype", args.draft_kv_dtype]
     return " ".join(shlex.quote(w) for w in words)
 
 
@@ -213,7 +218,8 @@ class Bench:
                     "prefill_chunk": args.prefill_chunk, "attn_impl": args.attn_impl,
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
                     "dtype": args.dtype, "commit": commit,
-                    "batch_invariant": args.batch_invariant}
+                    "batch_invariant": args.batch_invariant,
+                    "draft_kv_dtype": args.draft_kv_dtype}
         self.git = {"commit": commit, "dirty": dirty}
         self.env = None
 
@@ -339,7 +345,8 @@ class Bench:
                                          spec.max_new_tokens, a.page_size, window)
         base = dict(max_lanes=spec.lanes, page_size=a.page_size, max_context=max_context,
                     num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl,
-                    batch_invariant=a.batch_invariant)
+                    batch_invariant=a.batch_invariant,
+                    draft_kv_dtype=a.draft_kv_dtype)  # the stock engine ignores it
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
                 EngineConfig(decode_steps=a.spec_decode_steps, **base))
 
