@@ -24,6 +24,7 @@ from flax import nnx
 
 from jspec.config import Qwen3Config
 from jspec.kernels.linear import linear
+from jspec.kernels.reductions import rms_norm
 
 Array = jax.Array
 # attention(layer_idx, q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], layer_cache) -> (out [B,T,Hq,hd], layer_cache)
@@ -37,20 +38,17 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
 class RMSNorm(nnx.Module):
     """Qwen3's RMSNorm: normalise in fp32, cast to the weight's dtype, then scale (the order
     transformers uses). The output is in the weight's dtype whatever the input's: the residual
-    stream is fp32 (see DecoderLayer), the matmuls that follow read the model dtype."""
+    stream is fp32 (see DecoderLayer), the matmuls that follow read the model dtype. `impl`
+    (kernels/reductions.py) follows the model's matmul route: _set_linear_impl sets it."""
 
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
+        self.impl = "xla"
 
     def __call__(self, x: Array, out_dtype=None) -> Array:
         """out_dtype float32: skip the rounding (for values that stay fp32 until a matmul)."""
-        x_f32 = x.astype(jnp.float32)
-        x_f32 = x_f32 * jax.lax.rsqrt(jnp.mean(x_f32 * x_f32, axis=-1, keepdims=True) + self.eps)
-        w = self.weight[...]
-        if out_dtype == jnp.float32:
-            return w.astype(jnp.float32) * x_f32
-        return w * x_f32.astype(w.dtype)
+        return rms_norm(x, self.weight[...], self.eps, out_dtype, self.impl)
 
 
 def apply_rope(x_bthk: Array, positions_bt: Array, theta: float) -> Array:
@@ -164,9 +162,10 @@ class MLP(nnx.Module):
 def fuse_projections(model, *, qkv: bool = True, linear_impl: str = "xla") -> None:
     """Serving layout, in place, for a target or a drafter: gate+up (and q+k+v when `qkv`) of
     every decoder layer become one weight each, one layer at a time (peak memory grows by one
-    layer's projections), and its matmuls run on `linear_impl` ("xla" | "triton", see
-    kernels/linear.py). Checkpoint keys map to the unfused layout; training and conversion use
-    it. The drafter keeps q/k/v apart: its context path reads k_proj and v_proj alone."""
+    layer's projections), and its matmuls and RMSNorms run on `linear_impl` ("xla" | "triton",
+    see kernels/linear.py and kernels/reductions.py). Checkpoint keys map to the unfused
+    layout; training and conversion use it. The drafter keeps q/k/v apart: its context path
+    reads k_proj and v_proj alone."""
     for layer in model.layers:
         layer.mlp.fuse()
         if qkv:
@@ -185,10 +184,17 @@ def unfuse_projections(model) -> None:
 
 
 def _set_linear_impl(model, impl: str) -> None:
+    """The matmuls and the RMSNorms of every decoder layer (and the target's final norm and
+    lm_head) on `impl`: batch invariance needs both (kernels/reductions.py says why). A
+    drafter's own hidden_norm and norm stay on XLA: its draws need no invariance."""
     for layer in model.layers:
-        layer.mlp.linear_impl = layer.self_attn.linear_impl = impl
+        attn = layer.self_attn
+        layer.mlp.linear_impl = attn.linear_impl = impl
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm,
+                     attn.k_norm):
+            norm.impl = impl
     if isinstance(model, Qwen3):
-        model.linear_impl = impl
+        model.linear_impl = model.norm.impl = impl
 
 
 class DecoderLayer(nnx.Module):

@@ -31,7 +31,7 @@ from jspec.qwen3 import Qwen3
 from jspec.rejection import rejection_sample
 from jspec.sampling import SamplingArrays, draft_sample
 from jspec.steps import (DecodeState, Programs, paged_attention, prefill_layout,
-                         sample_after_chunk, slots_for)
+                         sample_after_chunk, slots_for, token_logprobs)
 
 Array = jax.Array
 
@@ -144,8 +144,7 @@ class SpecPrograms(Programs):
         n_keep = jnp.where(state.active, n_keep, 0)
         kept = j < n_keep[:, None]
         out_tokens = jnp.where(kept, result.tokens, -1)
-        logp = jax.nn.log_softmax(logits_bwv, axis=-1)
-        out_logprobs = jnp.take_along_axis(logp, jnp.maximum(result.tokens, 0)[..., None], -1)[..., 0]
+        out_logprobs = token_logprobs(logits_bwv, jnp.maximum(result.tokens, 0), target.linear_impl)
         last = jnp.take_along_axis(result.tokens, jnp.maximum(n_keep - 1, 0)[:, None], 1)[:, 0]
         remaining = state.remaining - n_keep
         state = dataclasses.replace(
@@ -189,7 +188,7 @@ class SpecPrograms(Programs):
             chunk = jax.lax.dynamic_slice_in_dim(forced_bn, j * W, W + 1, axis=1)
             state = dataclasses.replace(state, tokens=chunk[:, 0])
             tcaches, logits_bwv, _, _, _ = self.verify(target, tcaches, state, chunk[:, 1:W])
-            lp = jnp.take_along_axis(jax.nn.log_softmax(logits_bwv, -1), chunk[:, 1:, None], -1)[..., 0]
+            lp = token_logprobs(logits_bwv, chunk[:, 1:], target.linear_impl)
             state = dataclasses.replace(state, lengths=state.lengths + W)
             return tcaches, state, jax.lax.dynamic_update_slice(out, lp, (0, j * W))
 

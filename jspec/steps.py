@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.kernels import reductions
 from jspec.kernels.kv_cache_write import write_kv
 from jspec.kernels.ragged_paged_attention import ragged_paged_attention
 from jspec.paged_cache import NULL_PAGE
@@ -69,13 +70,14 @@ def sample_after_chunk(model: Qwen3, hidden_1cd: Array, start: Array, q_len: Arr
     last_1d = jax.lax.dynamic_index_in_dim(hidden_1cd[0], q_len - 1, axis=0, keepdims=True)
     logits_1v = model.logits(last_1d)
     token_1, _ = sample(logits_1v, sampling, (start + q_len)[None])
-    return token_1, token_logprobs(logits_1v, token_1)
+    return token_1, token_logprobs(logits_1v, token_1, model.linear_impl)
 
 
-def token_logprobs(logits_tv: Array, tokens_t: Array) -> Array:
-    """log p_model(token) under the raw (temperature 1, unfiltered) distribution."""
-    logp = jax.nn.log_softmax(logits_tv.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, tokens_t[:, None], axis=-1)[:, 0]
+def token_logprobs(logits_tv: Array, tokens_t: Array, impl: str = "xla") -> Array:
+    """log p_model(token) under the raw (temperature 1, unfiltered) distribution; logits [..., V],
+    tokens [...]. `impl` is the target's linear_impl: "triton" reduces each vocabulary row in a
+    fixed order (kernels/reductions.py), so verify and decode score a token with the same bits."""
+    return reductions.token_logprobs(logits_tv, tokens_t, impl)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -119,6 +121,10 @@ class StockPrograms(Programs):
     def model(self, params) -> Qwen3:
         return nnx.merge(self.graphdef, params)
 
+    def _logprob_impl(self, params) -> str:
+        """The target's reduction route for log-probs (its matmul route; a trace-time lookup)."""
+        return self.model(params).linear_impl
+
     # ---- chunked prefill of one lane -------------------------------------------------------
 
     def _prefill(self, params, caches, tokens_c: Array, start: Array, q_len: Array,
@@ -158,7 +164,7 @@ class StockPrograms(Programs):
         positions_b = state.lengths
         caches, logits_bv = self._step_logits(params, caches, state)
         new_b, _ = sample(logits_bv, state.sampling, positions_b + 1)
-        logprob_b = token_logprobs(logits_bv, new_b)
+        logprob_b = token_logprobs(logits_bv, new_b, self._logprob_impl(params))
         is_eos = jnp.any(new_b[:, None] == self.eos_ids[None], axis=-1) & state.stop_on_eos
         emitted_b = state.active
         remaining = jnp.where(emitted_b, state.remaining - 1, state.remaining)
@@ -197,7 +203,7 @@ class StockPrograms(Programs):
             caches, state, out = carry
             state = dataclasses.replace(state, tokens=forced_bn[:, i])
             caches, logits_bv = self._step_logits(params, caches, state)
-            lp = token_logprobs(logits_bv, forced_bn[:, i + 1])
+            lp = token_logprobs(logits_bv, forced_bn[:, i + 1], self._logprob_impl(params))
             state = dataclasses.replace(state, lengths=state.lengths + 1)
             return caches, state, out.at[:, i].set(lp)
 

@@ -1,4 +1,5 @@
-"""Kernels behind small interfaces, each with an XLA reference twin (attention, linear layers).
+"""Kernels behind small interfaces, each with an XLA reference twin (attention, linear layers,
+row reductions).
 
     ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, *, sm_scale,
                            causal=True, max_q_len=None, impl="auto")
@@ -12,6 +13,10 @@ Modules:
   linear.py                         the model's matmuls: linear(x, w, impl) with its XLA twin
   linear_triton.py                  batch-invariant Triton matmul (a row's bits never depend on
                                     the row count), for EngineConfig.batch_invariant on the GPU
+  reductions.py                     the model's row reductions: rms_norm(x, w, eps, out_dtype,
+                                    impl), logsumexp(x, impl) and token_logprobs, with XLA twins
+  rowwise_triton.py                 batch-invariant Triton RMSNorm and logsumexp (one program per
+                                    row, a fixed order), the batch_invariant partners of linear
 
 TPU: no Pallas TPU kernel yet; impl="pallas_tpu" raises NotImplementedError and impl="auto" on a
 TPU uses the XLA reference. Why not now: the GPU kernel came first and the Pallas TPU version is a

@@ -1,0 +1,102 @@
+"""The target's row reductions behind one interface: RMSNorm over the last dim and the
+vocabulary logsumexp behind log-probs.
+
+    rms_norm(x[..., D], w[D], eps, out_dtype=None, impl) -> [..., D] (w's dtype, or fp32)
+    logsumexp(x[..., V], impl)                           -> fp32 [...]
+    token_logprobs(logits[..., V], tokens[...], impl)    -> fp32 [...]
+
+  "xla"     today's math, op for op (the default; the CPU path and the test oracle). XLA picks a
+            reduction's algorithm by shape, so a row's bits depend on how many rows it shares
+            the reduction with.
+  "triton"  rowwise_triton.py: one program per row and a fixed order, so speculative verify
+            (8 rows per lane) and stock decode (1 row) reduce a row identically. GPU only,
+            through jax-triton; chosen with the matmuls' impl (kernels/linear.py) by
+            qwen3._set_linear_impl, so EngineConfig.batch_invariant turns both on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+REDUCTION_IMPLS = ("xla", "triton")
+
+
+def _bad_impl(impl: str) -> ValueError:
+    return ValueError(f"reduction impl must be one of {REDUCTION_IMPLS}, got {impl!r}")
+
+
+def check_impl(impl: str) -> None:
+    """Refuse an impl this machine cannot run, naming why (as kernels.linear.check_impl)."""
+    if impl not in REDUCTION_IMPLS:
+        raise _bad_impl(impl)
+    if impl == "triton":
+        if jax.default_backend() != "gpu":
+            raise ValueError("batch-invariant reductions (impl 'triton') need an NVIDIA GPU; "
+                             f"this backend is {jax.default_backend()}")
+        try:
+            import jax_triton  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"batch-invariant reductions need jax-triton: {e}") from e
+
+
+# ---- RMSNorm -----------------------------------------------------------------------------------
+
+def rms_norm_xla(x, w, eps: float, out_dtype=None):
+    """Qwen3's RMSNorm as transformers orders it: normalise in fp32, cast to the weight's dtype,
+    then scale; with out_dtype float32 the scale is applied in fp32 and nothing is rounded."""
+    x_f32 = x.astype(jnp.float32)
+    x_f32 = x_f32 * jax.lax.rsqrt(jnp.mean(x_f32 * x_f32, axis=-1, keepdims=True) + eps)
+    if out_dtype == jnp.float32:
+        return w.astype(jnp.float32) * x_f32
+    return w * x_f32.astype(w.dtype)
+
+
+def rms_norm(x, w, eps: float, out_dtype=None, impl: str = "xla"):
+    """x [..., D] (any float dtype), w [D] -> [..., D] in w's dtype, or fp32 when out_dtype is
+    float32 (values that stay fp32 until a matmul: q/k before RoPE)."""
+    if impl == "xla":
+        return rms_norm_xla(x, w, eps, out_dtype)
+    if impl == "triton":
+        check_impl(impl)
+        from jspec.kernels.rowwise_triton import rms_norm_triton
+        with jax.named_scope("rms_norm_bi"):
+            y = rms_norm_triton(x.reshape(-1, x.shape[-1]), w, eps,
+                                f32_out=out_dtype == jnp.float32)
+        return y.reshape(x.shape)
+    raise _bad_impl(impl)
+
+
+# ---- logsumexp and log-probs -------------------------------------------------------------------
+
+def logsumexp_xla(x):
+    return jax.nn.logsumexp(x.astype(jnp.float32), axis=-1)
+
+
+def logsumexp(x, impl: str = "xla"):
+    """x [..., V] -> fp32 [...]: log sum_v exp x[..., v]."""
+    if impl == "xla":
+        return logsumexp_xla(x)
+    if impl == "triton":
+        check_impl(impl)
+        from jspec.kernels.rowwise_triton import logsumexp_triton
+        with jax.named_scope("logsumexp_bi"):
+            lse = logsumexp_triton(x.reshape(-1, x.shape[-1]))
+        return lse.reshape(x.shape[:-1])
+    raise _bad_impl(impl)
+
+
+def token_logprobs(logits, tokens, impl: str = "xla"):
+    """logits [..., V], tokens [...] int -> log softmax(logits)[..., token] in fp32.
+
+    "xla" is the log_softmax the engine always used (the default path's numbers stay put);
+    "triton" is logits[token] - logsumexp(row), with the invariant logsumexp: the gather and
+    the subtraction are elementwise, so the row's result is invariant too."""
+    logits = logits.astype(jnp.float32)
+    if impl == "xla":
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    if impl not in REDUCTION_IMPLS:
+        raise _bad_impl(impl)
+    picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    return picked - logsumexp(logits, impl)

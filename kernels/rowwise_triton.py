@@ -1,0 +1,204 @@
+"""Batch-invariant row reductions on the GPU (Triton through jax-triton): RMSNorm over the last
+dim and logsumexp over a vocabulary row.
+
+Why they exist: XLA picks a reduction's algorithm (threads per row, tree shape, whether rows are
+split across blocks) by shape, so row r of a norm or a log-softmax gets different fp32 bits when
+it is reduced among 1 row (stock decode) than among 8 per lane (speculative verify). An RMSNorm's
+sum of squares one bit off flips the bf16 rounding of its output now and then, and that is
+enough to keep the batch-invariant GEMMs (linear_triton.py) from computing the same bits in
+verify and decode. Here:
+  * one program reduces one row, so nothing crosses programs and the grid is just (M,);
+  * within a row the order is fixed: the row is walked in BLOCK-wide steps from 0 upward, each
+    lane accumulating elementwise, and the BLOCK lanes are combined by one `tl.sum` / `tl.max`
+    at the end, whose tree is fixed by BLOCK and the warp count;
+  * BLOCK and the warps depend on the row length only (D, the weight's length, or V), never on
+    M: `plan_rms_norm` / `plan_logsumexp` below are the whole rule, module constants bound it.
+The cost of one program per row is latency when M is small: a 151936-wide logsumexp at M = 1
+walks its row on one SM (tens of microseconds), which batch-invariant mode accepts.
+The XLA twins (today's math, not batch-invariant) are in kernels/reductions.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import triton
+import triton.language as tl
+
+MAX_BLOCK_D = 4096  # RMSNorm: widest step over a row (a Qwen3-8B hidden row in one step)
+BLOCK_V = 4096  # logsumexp: step over a vocabulary row (151936 = 37 steps + a masked tail)
+RMS_NUM_WARPS = 4
+LSE_NUM_WARPS = 8
+
+
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D: tl.constexpr, EPS: tl.constexpr,
+                     BLOCK_D: tl.constexpr, F32_OUT: tl.constexpr):
+    """y[row] = w * normalise(x[row]) with RMSNorm's roundings (kernels/reductions.rms_norm_xla):
+    the fp32 normalised row is either rounded to the weight's dtype and scaled there (F32_OUT
+    False; a bf16 product is exact in fp32, so one rounding at the store is the bf16 multiply)
+    or scaled in fp32 (F32_OUT True)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    y_row = y_ptr + row * D
+    cols = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + cols
+        x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+        acc += x * x
+    mean_sq = tl.div_rn(tl.sum(acc, axis=0), D * 1.0)  # jnp.mean divides (rounded), as here
+    inv_rms = tl.rsqrt(mean_sq + EPS)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + cols
+        ok = d < D
+        x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) * inv_rms
+        w = tl.load(w_ptr + d, mask=ok, other=0.0)
+        if F32_OUT:
+            y = w.to(tl.float32) * x
+        else:
+            y = w.to(tl.float32) * x.to(w_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_row + d, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _logsumexp_kernel(x_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """lse[row] = log sum exp x[row], one pass: every lane keeps its own running max and its
+    sum of exp(x - max) (rescaled when the max grows); the lanes are merged once at the end."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * V
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + cols
+        x = tl.load(x_row + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # A lane that has seen only -inf (the masked tail) keeps s = 0 instead of exp(nan).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    shift_row = tl.where(m_row == float("-inf"), 0.0, m_row)
+    total = tl.sum(s * tl.exp(m - shift_row), axis=0)
+    tl.store(lse_ptr + row, shift_row + tl.log(total))
+
+
+_KERNELS = None
+
+
+def _kernels():
+    """(rms_norm, logsumexp), triton.jit at first use (Triton decides then between compiling and
+    interpreting)."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = (triton.jit(_rms_norm_kernel), triton.jit(_logsumexp_kernel))
+    return _KERNELS
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """One program per row; `block` and `num_warps` fix a row's reduction order and are chosen
+    from the row length alone."""
+    M: int
+    length: int
+    block: int
+    num_warps: int
+
+    @property
+    def grid(self) -> tuple[int]:
+        return (self.M,)
+
+
+def _check_rows(M: int, length: int, what: str) -> None:
+    if M < 1 or length < 1:
+        raise ValueError(f"{what}: empty operand (M={M}, length={length})")
+
+
+def plan_rms_norm(M: int, D: int) -> RowPlan:
+    """The smallest power-of-two step that holds the row, capped at MAX_BLOCK_D (a head_dim-128
+    row takes one 128-wide step; a 5120-wide row two 4096-wide steps)."""
+    _check_rows(M, D, "rms_norm")
+    return RowPlan(M=M, length=D, block=min(MAX_BLOCK_D, triton.next_power_of_2(D)),
+                   num_warps=RMS_NUM_WARPS)
+
+
+def plan_logsumexp(M: int, V: int) -> RowPlan:
+    _check_rows(M, V, "logsumexp")
+    return RowPlan(M=M, length=V, block=BLOCK_V, num_warps=LSE_NUM_WARPS)
+
+
+def rms_norm_constexprs(plan: RowPlan, eps: float, f32_out: bool) -> dict:
+    return dict(D=plan.length, EPS=float(eps), BLOCK_D=plan.block, F32_OUT=bool(f32_out))
+
+
+def logsumexp_constexprs(plan: RowPlan) -> dict:
+    return dict(V=plan.length, BLOCK_V=plan.block)
+
+
+# ---- jax (through jax-triton) ------------------------------------------------------------------
+
+def rms_norm_triton(x, w, eps: float, f32_out: bool = False):
+    """x [M, D] (fp32 or bf16), w [D] -> [M, D] in w's dtype (fp32 with f32_out),
+    batch-invariant."""
+    import jax
+    import jax.numpy as jnp
+    import jax_triton as jt
+
+    if x.ndim != 2 or w.ndim != 1 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"rms_norm: x must be [M, D] and w [D], got {x.shape} and {w.shape}")
+    plan = plan_rms_norm(*x.shape)
+    out_dtype = jnp.float32 if f32_out else w.dtype
+    return jt.triton_call(
+        x, w, kernel=_kernels()[0], name="rms_norm_bi",
+        out_shape=jax.ShapeDtypeStruct(x.shape, out_dtype), grid=plan.grid,
+        num_warps=plan.num_warps, num_stages=1, **rms_norm_constexprs(plan, eps, f32_out))
+
+
+def logsumexp_triton(x):
+    """x [M, V] (fp32 or bf16) -> fp32 [M], batch-invariant."""
+    import jax
+    import jax.numpy as jnp
+    import jax_triton as jt
+
+    if x.ndim != 2:
+        raise ValueError(f"logsumexp: x must be [M, V], got {x.shape}")
+    plan = plan_logsumexp(*x.shape)
+    return jt.triton_call(
+        x, kernel=_kernels()[1], name="logsumexp_bi",
+        out_shape=jax.ShapeDtypeStruct((x.shape[0],), jnp.float32), grid=plan.grid,
+        num_warps=plan.num_warps, num_stages=1, **logsumexp_constexprs(plan))
+
+
+# ---- torch twins: Triton's CPU interpreter (tests) or a CUDA torch build -----------------------
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_torch_device(x) -> None:
+    if x.device.type == "cpu" and not interpreter_enabled():
+        raise RuntimeError("CPU tensors run only under Triton's interpreter: start the process "
+                           "with TRITON_INTERPRET=1")
+
+
+def rms_norm_launch_torch(x, w, eps: float, f32_out: bool = False):
+    import torch
+
+    _check_torch_device(x)
+    plan = plan_rms_norm(*x.shape)
+    y = torch.full(x.shape, float("nan"), dtype=torch.float32 if f32_out else w.dtype,
+                   device=x.device)
+    _kernels()[0][plan.grid](x.contiguous(), w.contiguous(), y, num_warps=plan.num_warps,
+                             num_stages=1, **rms_norm_constexprs(plan, eps, f32_out))
+    return y
+
+
+def logsumexp_launch_torch(x):
+    import torch
+
+    _check_torch_device(x)
+    plan = plan_logsumexp(*x.shape)
+    lse = torch.full((x.shape[0],), float("nan"), dtype=torch.float32, device=x.device)
+    _kernels()[1][plan.grid](x.contiguous(), lse, num_warps=plan.num_warps, num_stages=1,
+                             **logsumexp_constexprs(plan))
+    return lse

@@ -1,0 +1,457 @@
+"""The batch-invariant row reductions on CPU (kernels/rowwise_triton.py: RMSNorm and logsumexp):
+run under Triton's interpreter (one subprocess, as in test_kernels_linear.py) against the XLA
+twin (kernels/reductions.py) and a float64 oracle over a sweep of shapes, plus the property they
+exist for: a row reduced alone and among other rows comes out with the same bits. The interface
+is checked too: impl "xla" is today's RMSNorm and log-softmax bit for bit, impl "triton" is
+refused off the GPU, and the model and the engine's programs route their norms and log-probs
+through it when the target's linear_impl is "triton". The GPU runs the same checks in
+tests/test_batch_invariance_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from test_kernels_attention import _triton_available
+
+EPS = 1e-6
+# (M, D, x dtype, w dtype, f32_out): D of one step (128, 256, 4096), not a power of two (200),
+# several steps with a masked tail (5000); M of 1..40; both output modes; fp32 weights too.
+RMS_SHAPES = [(1, 128, "float32", "bfloat16", True), (5, 128, "float32", "bfloat16", False),
+              (40, 256, "float32", "bfloat16", False), (3, 200, "bfloat16", "bfloat16", False),
+              (17, 4096, "float32", "bfloat16", False), (2, 4096, "float32", "bfloat16", True),
+              (4, 256, "float32", "float32", False), (7, 5000, "float32", "bfloat16", True),
+              (9, 5000, "bfloat16", "bfloat16", False)]
+# (M, V, dtype): the real vocabulary, one partial step, an exact multiple of BLOCK_V, a tail.
+LSE_SHAPES = [(1, 151936, "float32"), (3, 1000, "float32"), (2, 8192, "bfloat16"),
+              (33, 5000, "float32")]
+INVARIANCE_ROWS = (1, 5, 16, 33)  # the same first row among these many rows
+INV_D, INV_V = 4096, 151936
+
+
+def _bf16(a):
+    return a.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _rms_inputs(i, M, D, x_dtype, w_dtype):
+    """fp32 arrays holding values exact in the named dtypes; rows of varied scale."""
+    rng = np.random.default_rng(100 + i)
+    x = (rng.normal(size=(M, D)) * rng.uniform(0.1, 30, size=(M, 1))).astype(np.float32)
+    w = rng.normal(1.0, 0.3, size=(D,)).astype(np.float32)
+    return (_bf16(x) if x_dtype == "bfloat16" else x), (_bf16(w) if w_dtype == "bfloat16" else w)
+
+
+def _lse_inputs(i, M, V, dtype):
+    """Logits of a realistic spread (a few large ones), one row with -inf (masked) entries."""
+    rng = np.random.default_rng(200 + i)
+    x = (rng.normal(size=(M, V)) * 3).astype(np.float32)
+    x[:, rng.integers(0, V, 8)] += 25.0
+    if M > 1:
+        x[1, ::7] = -np.inf
+    return _bf16(x) if dtype == "bfloat16" else x
+
+
+def _rms_float64(x, w, f32_out):
+    x64 = x.astype(np.float64)
+    xn = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
+    return w.astype(np.float64) * xn
+
+
+def _lse_float64(x):
+    x64 = x.astype(np.float64)
+    m = x64.max(-1, keepdims=True)
+    return (m + np.log(np.exp(x64 - m).sum(-1, keepdims=True)))[:, 0]
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    if not _triton_available():
+        pytest.skip("triton (and torch) not installed")
+    work = tmp_path_factory.mktemp("rowwise_interp")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "--interpret-worker", str(work)], env=env,
+                          capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    with np.load(work / "out.npz") as out:
+        return {k: out[k] for k in out.files}
+
+
+@pytest.mark.parametrize("index", range(len(RMS_SHAPES)),
+                         ids=[f"M{m}_D{d}_x{x[:2]}_w{w[:2]}_{'f32' if f else 'wdt'}"
+                              for m, d, x, w, f in RMS_SHAPES])
+def test_rms_norm_interpreted_matches_xla_twin(interpreted, index):
+    """Against the XLA twin: fp32 outputs to a few ulps; outputs rounded to the weight's dtype
+    equal almost everywhere and within one rounding step elsewhere (the kernel's sum of squares
+    is ordered differently, which may flip a rounding). Against float64 in any case."""
+    import jax.numpy as jnp
+
+    from jspec.kernels.reductions import rms_norm_xla
+    M, D, x_dtype, w_dtype, f32_out = RMS_SHAPES[index]
+    x, w = _rms_inputs(index, M, D, x_dtype, w_dtype)
+    got = interpreted[f"rms{index}"]
+    assert got.shape == (M, D) and np.isfinite(got).all()  # every element written
+    twin = np.asarray(rms_norm_xla(jnp.asarray(x, x_dtype), jnp.asarray(w, w_dtype), EPS,
+                                   jnp.float32 if f32_out else None).astype(jnp.float32))
+    want = _rms_float64(x, w, f32_out)
+    if f32_out or w_dtype == "float32":
+        np.testing.assert_allclose(got, twin, rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    else:
+        assert (got == twin).mean() > 0.99
+        np.testing.assert_allclose(got, twin, rtol=2 ** -7, atol=0)  # one bf16 step
+        np.testing.assert_allclose(got, want, rtol=2 ** -6, atol=0)  # two roundings
+
+
+@pytest.mark.parametrize("index", range(len(LSE_SHAPES)),
+                         ids=[f"M{m}_V{v}_{d}" for m, v, d in LSE_SHAPES])
+def test_logsumexp_interpreted_matches_float64(interpreted, index):
+    import jax.numpy as jnp
+
+    from jspec.kernels.reductions import logsumexp_xla
+    M, V, dtype = LSE_SHAPES[index]
+    x = _lse_inputs(index, M, V, dtype)
+    got = interpreted[f"lse{index}"]
+    assert got.shape == (M,) and np.isfinite(got).all()
+    np.testing.assert_allclose(got, _lse_float64(x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, np.asarray(logsumexp_xla(jnp.asarray(x))), rtol=1e-6, atol=1e-6)
+
+
+def test_rows_are_batch_invariant(interpreted):
+    """Row 0 alone and among 5, 16 or 33 rows: the same bits, for both kernels and both RMSNorm
+    output modes (the interpreter runs each program with numpy, so this checks the contract
+    that matters here: one row per program, no state shared across rows, plans fixed by the
+    row length)."""
+    for key in ("rms_inv_wdt", "rms_inv_f32", "lse_inv"):
+        first = interpreted[f"{key}1"][0]
+        for m in INVARIANCE_ROWS[1:]:
+            np.testing.assert_array_equal(interpreted[f"{key}{m}"][0], first, err_msg=f"{key}{m}")
+
+
+def test_plans_depend_on_the_row_length_only():
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.rowwise_triton import (BLOCK_V, MAX_BLOCK_D, plan_logsumexp,
+                                              plan_rms_norm)
+    for D in (128, 200, 4096, 5120):
+        decode, verify, busy = (plan_rms_norm(m, D) for m in (1, 8, 256))
+        assert decode.block == verify.block == busy.block <= MAX_BLOCK_D
+        assert decode.num_warps == verify.num_warps == busy.num_warps
+        assert busy.grid == (256,)
+    assert plan_rms_norm(1, 128).block == 128 and plan_rms_norm(1, 200).block == 256
+    assert plan_rms_norm(1, 5120).block == MAX_BLOCK_D  # two steps
+    assert plan_logsumexp(1, 151936).block == plan_logsumexp(256, 151936).block == BLOCK_V
+    with pytest.raises(ValueError, match="empty"):
+        plan_rms_norm(0, 128)
+    with pytest.raises(ValueError, match="empty"):
+        plan_logsumexp(4, 0)
+
+
+# ---- the interface: impl "xla" is today's math, "triton" is GPU only -------------------------
+
+def _todays_rms_norm(x, w, eps, out_dtype=None):
+    """qwen3.RMSNorm.__call__ before the reductions module existed, verbatim."""
+    import jax
+    import jax.numpy as jnp
+    x_f32 = x.astype(jnp.float32)
+    x_f32 = x_f32 * jax.lax.rsqrt(jnp.mean(x_f32 * x_f32, axis=-1, keepdims=True) + eps)
+    if out_dtype == jnp.float32:
+        return w.astype(jnp.float32) * x_f32
+    return w * x_f32.astype(w.dtype)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float32", "bfloat16"), ("bfloat16", "bfloat16"),
+                                             ("float32", "float32")])
+def test_xla_impl_is_todays_rms_norm_bit_for_bit(x_dtype, w_dtype):
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.kernels.reductions import rms_norm
+    from jspec.qwen3 import RMSNorm
+    x, w = _rms_inputs(0, 6, 256, x_dtype, w_dtype)
+    x4 = jnp.asarray(x.reshape(2, 3, 2, 128), x_dtype)  # a q of [B, T, H, hd]
+    w128 = jnp.asarray(w[:128], w_dtype)
+    norm = RMSNorm(128, EPS, jnp.dtype(w_dtype))
+    norm.weight[...] = w128
+    for out_dtype in (None, jnp.float32):
+        want = np.asarray(jax.jit(lambda a, b: _todays_rms_norm(a, b, EPS, out_dtype))(x4, w128))
+        got = np.asarray(jax.jit(lambda a, b: rms_norm(a, b, EPS, out_dtype))(x4, w128))
+        assert got.dtype == want.dtype == (np.float32 if out_dtype else jnp.dtype(w_dtype))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(norm(x4, out_dtype)), want)  # eager module
+
+
+def test_xla_impl_is_todays_token_logprobs_bit_for_bit():
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.kernels.reductions import logsumexp, token_logprobs
+    from jspec.steps import token_logprobs as steps_token_logprobs
+    logits = jnp.asarray(_lse_inputs(1, 3, 1000, "float32").reshape(3, 1, 1000))
+    tokens = jnp.asarray([[5], [999], [0]], jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)  # spec_steps' verify scoring, as it was
+    want = np.asarray(jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0])
+    np.testing.assert_array_equal(np.asarray(token_logprobs(logits, tokens)), want)
+    np.testing.assert_array_equal(np.asarray(steps_token_logprobs(logits[:, 0], tokens[:, 0])),
+                                  want[:, 0])
+    np.testing.assert_allclose(np.asarray(logsumexp(logits))[:, 0],
+                               _lse_float64(np.asarray(logits[:, 0])), rtol=1e-6)
+
+
+def test_triton_impl_is_refused_off_the_gpu():
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.kernels.reductions import check_impl, logsumexp, rms_norm, token_logprobs
+    if jax.default_backend() == "gpu":
+        pytest.skip("this checks the CPU refusal")
+    x = jnp.ones((2, 8), jnp.float32)
+    for call in (lambda: check_impl("triton"), lambda: rms_norm(x, x[0], EPS, impl="triton"),
+                 lambda: logsumexp(x, "triton"),
+                 lambda: token_logprobs(x, jnp.zeros(2, jnp.int32), "triton")):
+        with pytest.raises(ValueError, match="need an NVIDIA GPU"):
+            call()
+    for call in (lambda: check_impl("cuda"), lambda: rms_norm(x, x[0], EPS, impl="cuda"),
+                 lambda: logsumexp(x, "cuda"),
+                 lambda: token_logprobs(x, jnp.zeros(2, jnp.int32), "cuda")):
+        with pytest.raises(ValueError, match="reduction impl must be one of"):
+            call()
+
+
+# ---- the wiring: the target's norms and log-probs follow its linear_impl ---------------------
+
+@pytest.fixture
+def kernels_on_xla(monkeypatch):
+    """Every batch-invariant kernel stood in for by its XLA twin (the GPU-only ones cannot run
+    here), recording the 2-D operands each is called with: what the wiring hands them."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    import jax.numpy as jnp
+
+    import jspec.kernels.linear_triton as lt
+    import jspec.kernels.reductions as red
+    import jspec.kernels.rowwise_triton as rw
+    from jspec.kernels.linear import linear_xla
+    calls = {"linear": [], "rms_norm": [], "logsumexp": []}
+
+    def linear(x, w, **kw):
+        calls["linear"].append(x.shape)
+        return linear_xla(x, w)
+
+    def rms(x, w, eps, f32_out=False):
+        assert x.ndim == 2 and w.shape == x.shape[1:]
+        calls["rms_norm"].append((x.shape, f32_out))
+        return red.rms_norm_xla(x, w, eps, jnp.float32 if f32_out else None)
+
+    def lse(x):
+        assert x.ndim == 2
+        calls["logsumexp"].append(x.shape)
+        return red.logsumexp_xla(x)
+
+    monkeypatch.setattr(lt, "linear_triton", linear)
+    monkeypatch.setattr(rw, "rms_norm_triton", rms)
+    monkeypatch.setattr(rw, "logsumexp_triton", lse)
+    monkeypatch.setattr(red, "check_impl", lambda impl: None)
+    return calls
+
+
+def test_model_norms_follow_linear_impl(kernels_on_xla):
+    """fuse_projections(linear_impl="triton") puts every norm of the target (4 per layer and the
+    final one) on the invariant route with the right operands, the model computes the same
+    logits, and a drafter (fused with the default route) keeps all its norms on XLA."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jspec.config import PRESETS
+    from jspec.dspark import DSparkConfig, DSparkDrafter
+    from jspec.qwen3 import forward_logits, fuse_projections, init_random, unfuse_projections
+    cfg = PRESETS["tiny-untied"].replace(dtype="bfloat16")
+    model = init_random(cfg, seed=3)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    want, _ = forward_logits(model, tokens)
+    fuse_projections(model, linear_impl="triton")
+    got, _ = forward_logits(model, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    rows, D, hd = 2 * 5, cfg.hidden_size, cfg.head_dim
+    per_layer = [((rows, D), False), ((rows * cfg.num_heads, hd), True),
+                 ((rows * cfg.num_kv_heads, hd), True), ((rows, D), False)]
+    assert kernels_on_xla["rms_norm"] == per_layer * cfg.num_layers + [((rows, D), False)]
+    unfuse_projections(model)
+    norms = [m for _, m in nnx.iter_graph(model) if type(m).__name__ == "RMSNorm"]
+    assert len(norms) == 4 * cfg.num_layers + 1 and all(n.impl == "xla" for n in norms)
+
+    dcfg = DSparkConfig(layers=cfg.replace(num_layers=1), target_layer_ids=(0, 1),
+                        mask_token_id=cfg.vocab_size - 1, markov_rank=8)
+    drafter = DSparkDrafter(dcfg, rngs=nnx.Rngs(2))
+    fuse_projections(drafter, qkv=False)
+    assert all(m.impl == "xla" for _, m in nnx.iter_graph(drafter) if type(m).__name__ == "RMSNorm")
+
+
+def test_engine_programs_score_through_the_invariant_route(kernels_on_xla, monkeypatch):
+    """A batch_invariant engine's stock decode and speculative verify (with every kernel stood in
+    for by its XLA twin, attention included) take their log-probs from the invariant logsumexp,
+    one row per decode step and K+1 per verify block, and score as the default engine does."""
+    from flax import nnx
+
+    import jspec.engine as engine_mod
+    import jspec.steps as steps
+    from jspec.config import PRESETS
+    from jspec.dspark import DSparkConfig, DSparkDrafter
+    from jspec.engine import Engine, EngineConfig, shared_programs
+    from jspec.qwen3 import init_random
+    from jspec.scoring import teacher_forced_logprobs
+    attention = steps.ragged_paged_attention
+    monkeypatch.setattr(steps, "ragged_paged_attention",
+                        lambda *a, impl, **k: attention(*a, impl="xla", **k))
+    monkeypatch.setattr(engine_mod, "check_impl", lambda impl: None)
+
+    cfg = PRESETS["tiny-untied"].replace(num_layers=3)  # a structure no other test compiles
+    dcfg = DSparkConfig(layers=cfg.replace(num_layers=1), target_layer_ids=(0, 1),
+                        mask_token_id=cfg.vocab_size - 1, markov_rank=8)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size - 1, 12).tolist()
+    cont = rng.integers(0, cfg.vocab_size - 1, 2 * (dcfg.block_size + 1)).tolist()
+    scores = {}
+    try:
+        for inv in (False, True):
+            target = init_random(cfg, seed=1)
+            ecfg = EngineConfig(max_lanes=1, page_size=16, max_context=64, batch_invariant=inv)
+            stock = Engine(cfg, target, (), ecfg)
+            spec = Engine(cfg, target, (), ecfg, drafter=DSparkDrafter(dcfg, rngs=nnx.Rngs(2)),
+                          draft_cfg=dcfg)
+            kernels_on_xla["logsumexp"].clear()
+            scores[inv] = (teacher_forced_logprobs(stock, prompt, cont),
+                           teacher_forced_logprobs(spec, prompt, cont))
+            if inv:  # prefill (1 row), decode steps (1 row), verify blocks (K+1 rows)
+                assert {(1, cfg.vocab_size), (dcfg.block_size + 1, cfg.vocab_size)} <= set(
+                    kernels_on_xla["logsumexp"])
+            else:
+                assert not kernels_on_xla["logsumexp"]
+    finally:
+        shared_programs.cache_clear()  # its programs hold the stand-ins
+    for a, b in zip(scores[False], scores[True]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    assert kernels_on_xla["rms_norm"] and kernels_on_xla["linear"]
+
+
+# ---- the GPU compiler accepts the kernels (no GPU needed) --------------------------------------
+
+def _compile_sm90(kernel, signature, constexprs, num_warps):
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=dict(signature, **{k: "constexpr" for k in constexprs}),
+                  constexprs=constexprs,
+                  attrs={(i,): [["tt.divisibility", 16]] for i in range(len(signature))}),
+        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
+    ptx = compiled.asm["ptx"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    info = ""
+    if ptxas.exists():
+        ptx_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"rowwise_{os.getpid()}.ptx"
+        ptx_path.write_text(ptx)
+        info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_path), "-o",
+                               str(ptx_path.with_suffix(".cubin"))], capture_output=True,
+                              text=True).stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill", info)]
+    return compiled, ptx, spills
+
+
+@pytest.mark.parametrize("D,x_type,f32_out", [(128, "fp32", True), (4096, "fp32", False),
+                                              (5120, "bf16", False)],
+                         ids=["q_norm", "hidden_8b", "hidden_14b_bf16_in"])
+def test_rms_norm_compiles_for_sm90(D, x_type, f32_out):
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.rowwise_triton import (_kernels, interpreter_enabled, plan_rms_norm,
+                                              rms_norm_constexprs)
+    if interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET is set for this process")
+    plan = plan_rms_norm(256, D)
+    signature = dict(x_ptr=f"*{x_type}", w_ptr="*bf16", y_ptr="*fp32" if f32_out else "*bf16")
+    try:
+        compiled, ptx, spills = _compile_sm90(
+            _kernels()[0], signature, rms_norm_constexprs(plan, EPS, f32_out), plan.num_warps)
+    except ImportError as e:
+        pytest.skip(f"no NVIDIA backend in this triton: {e}")
+    assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
+    assert "div.rn.f32" in ptx  # the mean divides as jnp.mean does (not div.full's 2 ulps)
+    assert f32_out or "cvt.rn.bf16" in ptx  # round to nearest even before the scale
+
+
+def test_logsumexp_compiles_for_sm90():
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.rowwise_triton import (_kernels, interpreter_enabled, logsumexp_constexprs,
+                                              plan_logsumexp)
+    if interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET is set for this process")
+    plan = plan_logsumexp(256, 151936)
+    try:
+        compiled, ptx, spills = _compile_sm90(_kernels()[1], dict(x_ptr="*fp32", lse_ptr="*fp32"),
+                                              logsumexp_constexprs(plan), plan.num_warps)
+    except ImportError as e:
+        pytest.skip(f"no NVIDIA backend in this triton: {e}")
+    assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
+    assert "ld.global.v4" in ptx  # 16-byte loads: the row is streamed, not gathered
+
+
+# ---- interpreter worker (runs in the subprocess) ------------------------------------------------
+
+def _rtne_bf16_casts() -> None:
+    """Round fp32 -> bf16 to nearest even, as the GPU's cvt.rn does: the interpreter truncates."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    original = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = np.asarray(src.data, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+            return interp.TensorHandle(data, dst_type.scalar)
+        return original(self, src, dst_type)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl
+
+
+def _interpret_worker(work: Path) -> None:
+    import torch
+
+    from test_kernels_attention import _patch_interpreter
+    _patch_interpreter()  # the scalar __index__ fix
+    _rtne_bf16_casts()
+    from jspec.kernels.rowwise_triton import logsumexp_launch_torch, rms_norm_launch_torch
+
+    def t(a, dtype):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(
+            torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+
+    out = {}
+    for i, (M, D, x_dtype, w_dtype, f32_out) in enumerate(RMS_SHAPES):
+        x, w = _rms_inputs(i, M, D, x_dtype, w_dtype)
+        out[f"rms{i}"] = rms_norm_launch_torch(t(x, x_dtype), t(w, w_dtype), EPS,
+                                               f32_out).float().numpy()
+    for i, (M, V, dtype) in enumerate(LSE_SHAPES):
+        out[f"lse{i}"] = logsumexp_launch_torch(t(_lse_inputs(i, M, V, dtype), dtype)).numpy()
+    x, w = _rms_inputs(99, max(INVARIANCE_ROWS), INV_D, "float32", "bfloat16")
+    logits = _lse_inputs(99, max(INVARIANCE_ROWS), INV_V, "float32")
+    for m in INVARIANCE_ROWS:
+        for key, f32_out in (("rms_inv_wdt", False), ("rms_inv_f32", True)):
+            out[f"{key}{m}"] = rms_norm_launch_torch(t(x[:m], "float32"), t(w, "bfloat16"), EPS,
+                                                     f32_out).float().numpy()
+        out[f"lse_inv{m}"] = logsumexp_launch_torch(t(logits[:m], "float32")).numpy()
+    np.savez(work / "out.npz", **out)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interpret-worker":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    _interpret_worker(Path(sys.argv[2]))
