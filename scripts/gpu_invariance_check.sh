@@ -1,31 +1,47 @@
 #!/usr/bin/env bash
-# One device call (about 8 minutes; carry .whl and out/prompts) that measures what the last
-# CPU-only changes promise:
-#   1. the batch-invariant kernels on the GPU: pytest -m gpu tests/test_batch_invariance_gpu.py
-#      (exact verify == decode through a whole engine), and the attention kernel's GPU suite;
+# One device call (about 9 minutes; carry .whl and out/prompts) that measures the CPU-only work
+# since the last GPU run. Everything lands under $OUT/check and is packed into
+# $OUT/check.tgz (the device hands back at most 8 files), with a summary in $OUT/check.log:
+#   1. GPU tests: batch invariance (linear at every tile size, RMSNorm, logsumexp, attention,
+#      engines incl. an S-shaped one) and the attention kernel with fp8 drafter pages;
 #   2. fixed-text fidelity of the stand-in with and without EngineConfig.batch_invariant;
-#   3. stock step and speculative iteration at 1 and 32 lanes, with and without it (the
-#      sampler's host-sync fix is in both);
-#   4. the linear kernel's speed against XLA's GEMM (scripts/bench_linear.py, a small sweep).
-#   bash scripts/gpu_invariance_check.sh        # records under $OUT/invariance
+#   3. stock step and speculative iteration at 1 and 32 lanes with --batch-invariant;
+#   4. the fp8 drafter pool at 32 lanes x 4096 (memory by sizes, iteration time);
+#   5. the linear kernel's row tiles against XLA's GEMM (scripts/bench_linear.py);
+#   6. if time is left, a profile of the stock step (fused projections).
+#   bash scripts/gpu_invariance_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device_env.sh || exit 1
-OUT=${OUT:-/tmp/out}/invariance
+ROOT=${OUT:-/tmp/out}
+OUT=$ROOT/check
 mkdir -p "$OUT"
-timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_batch_invariance_gpu.py \
-  tests/test_kernels_gpu.py 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
+START=$SECONDS
+{
+timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_batch_invariance_gpu.py \
+  tests/test_kernels_gpu.py -k "invariant or fp8kv or rms_norm or logsumexp or linear" 2>&1 \
+  | tail -25 > "$OUT/pytest_gpu.log"; tail -3 "$OUT/pytest_gpu.log"
 for inv in "" "--batch-invariant"; do
   tag=${inv:+_inv}
-  timeout 150 python3 scripts/fidelity_probe.py --texts 8 $inv --out "$OUT/fid$tag.json" \
+  timeout 120 python3 scripts/fidelity_probe.py --texts 8 $inv --out "$OUT/fid$tag.json" \
     > "$OUT/fid$tag.log" 2>&1 || echo "fidelity$tag failed (rc $?)"
   tail -1 "$OUT/fid$tag.log"
 done
-for inv in "" "--batch-invariant"; do
-  tag=${inv:+_inv}
-  timeout 150 python3 scripts/bench_steps.py --lanes 1,32 --spec-lanes 1,32 --contexts 512 \
-    --split-lanes "" $inv --out "$OUT/steps$tag.json" 2>&1 | tail -8 | tee "$OUT/steps$tag.log"
-done
-# 4. the linear kernel's tile width against XLA's GEMM (a small sweep; none changes the bits)
-timeout 150 python3 scripts/bench_linear.py --rows 1,8,256 --block-n 16,32,64 --stages 4 \
-  --out "$OUT/linear.json" 2>&1 | tail -14 | tee "$OUT/linear.log"
+timeout 130 python3 scripts/bench_steps.py --lanes 1,32 --spec-lanes 1,32 --contexts 512 \
+  --split-lanes "" --batch-invariant --out "$OUT/steps_inv.json" > "$OUT/steps_inv.log" 2>&1
+tail -5 "$OUT/steps_inv.log"
+timeout 110 python3 scripts/bench_steps.py --lanes 1,32 --spec-lanes 1,32 --contexts 4096 \
+  --split-lanes "" --draft-kv-dtype float8_e4m3fn --out "$OUT/steps_fp8.json" > "$OUT/steps_fp8.log" 2>&1
+grep -E "speculation_extra|^\|" "$OUT/steps_fp8.log"
+timeout 100 python3 scripts/bench_linear.py --rows 1,8,32,256 --sweep-rows 32,256 \
+  --shapes qkv,o,gate_up,down --block-m 32,64,128 --block-n 64,128 --warps 4,8 \
+  --budget-s 70 --out "$OUT/linear.json" > "$OUT/linear.log" 2>&1
+tail -12 "$OUT/linear.log"
+if (( SECONDS - START < 470 )); then
+  timeout $(( 560 - (SECONDS - START) )) python3 scripts/profile_steps.py --no-trace-copy --trace-dir /tmp/trace \
+    --out "$OUT/profile_stock.json" > "$OUT/profile_stock.log" 2>&1
+  tail -30 "$OUT/profile_stock.log"
+fi
+echo "elapsed $(( SECONDS - START )) s"
+} 2>&1 | tee "$ROOT/check.log"
+tar -czf "$ROOT/check.tgz" --exclude="*.pb" --exclude="*.gz" -C "$ROOT" check
