@@ -29,12 +29,11 @@ that chain is the same whatever M is:
     which program and warp compute an element, and which other rows share its MMA, not the
     chain above. That last point assumes an MMA's output element does not depend on the other
     rows of its fragment, the assumption the 16-row tile already made (a row's fragment-mates
-    are zeros at M = 1 and real rows at M = 8; confirmed on the H200). Across row tiles and
-    row blocks (plans take 32-128-row tiles above 16 rows where those still cover the SMs; at
-    128 and 256 rows every Qwen3-8B shape does) it is still to be confirmed on the H200, by
-    tests/test_batch_invariance_gpu.py::test_linear_triton_rows_invariant_and_correct (row 0 alone
-    vs among 8/16/128/256 rows) and by scripts/bench_linear.py, which records whether each timed
-    tiling reproduces the default plan's bits. If it does not hold, FORCE_BLOCK_M = 16 below
+    are zeros at M = 1 and real rows at M = 8). Confirmed on the H200 (2026-11-30, jax 0.11.2,
+    Triton 3.6) across row tiles and row blocks too: tests/test_batch_invariance_gpu.py (every
+    row alone and among 8..256 rows, all five 8B shapes) passed, and none of 56 timed tilings in
+    scripts/bench_linear.py (16-128-row tiles, 16/32-row dots, 64/128 columns, 4/8 warps) changed
+    a bit of the default plan's output. Should another GPU or Triton break it, FORCE_BLOCK_M = 16
     gives every plan the fixed 16-row tile again.
 Rows past M are masked to zero and never stored. The XLA twin is `kernels.linear.linear_xla`
 (jnp.einsum with fp32 accumulation: the same math, not batch-invariant).
@@ -141,16 +140,16 @@ def _pow2(v: int) -> bool:
 
 
 def _wide_tiles(M: int, N: int, sms: int, block_n: int | None) -> tuple[int, int] | None:
-    """The widest row tile (32..128 rows, at most M rounded up to a power of two) that, with a
-    column tile of 128 or 64, still gives every SM a program; None: take the 16-row tile."""
-    cap = min(MAX_BLOCK_M, 1 << max(0, M - 1).bit_length())
-    for bm in (128, 64, 32):
-        if bm > cap:
-            continue
-        for bn in (block_n,) if block_n else (128, 64):
-            if -(-M // bm) * -(-N // bn) >= sms:
-                return bm, bn
-    return None
+    """Row and column tiles above 16 rows, as measured on the H200 (scripts/bench_linear.py,
+    docs/benchmarks.md, 2026-11-30): at 256 rows, 64-row tiles (two 32-row dots) with 128 columns
+    were the fastest at all four Qwen3-8B shapes (1.3-1.5x the 128-row guess); at 32 rows,
+    32-row tiles with 64 columns at three of four. None: take the 16-row tile (decode)."""
+    del N, sms  # kept in the signature: a later tuning may want them
+    if M <= MMA_M:
+        return None
+    if M <= 32:
+        return 32, block_n or 64
+    return 64, block_n or 128
 
 
 def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | None = None,
@@ -160,9 +159,8 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
     module docstring). Up to 16 rows (decode) and when wide tiles would leave SMs idle: 16-row
     tiles with the widest column tile (16..128) that still gives two programs per SM (a skinny
     GEMM is bound by how many weight bytes are in flight, so it needs many programs). More rows
-    (verify): the widest row tile, up to 128, whose 64- or 128-column tiles still cover the SMs,
-    so each weight tile is read M / BLOCK_M times instead of M / 16. fp32 inputs keep 16 rows
-    (FMA dots, kept small). Untuned beyond M <= 16: scripts/bench_linear.py sweeps the knobs."""
+    (verify): the measured tiles of _wide_tiles, so each weight tile is read M / BLOCK_M times
+    instead of M / 16. fp32 inputs keep 16 rows (FMA dots, kept small)."""
     if min(M, N, K) < 1:
         raise ValueError(f"linear: empty operand (M={M}, N={N}, K={K})")
     sms = num_sms or NUM_SMS_DEFAULT
@@ -210,8 +208,7 @@ def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
                   num_stages: int | None = None):
     """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant. The
     keyword overrides (row tile, rows per dot, tile width, warps, stages) are for tuning: none is
-    meant to change a result's bits (module docstring: to be confirmed on the H200 across row
-    tiles)."""
+    meant to change a result's bits (module docstring: checked on the H200 across row tiles)."""
     import jax
     import jax.numpy as jnp
     import jax_triton as jt

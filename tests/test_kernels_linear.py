@@ -87,7 +87,7 @@ def test_linear_row_tilings_give_the_same_bits(interpreted):
     dots, 16..64 columns): the default plan's bits, and the right values. Under the interpreter's
     row-exact dot this holds by construction once every row block is loaded, masked and stored
     where it belongs, which is what it checks. That the GPU's MMA also gives a row the same bits
-    in every tiling is for the H200 to confirm (tests/test_batch_invariance_gpu.py); the sm_90
+    in every tiling is the H200's part (tests/test_batch_invariance_gpu.py, passed there); the sm_90
     compile checks below pin the instruction it relies on."""
     base = interpreted["inv70"]
     x, w = _inputs(99, max(INVARIANCE_ROWS), INV_N, INV_K, "bfloat16")
@@ -130,9 +130,11 @@ def test_plan_depends_on_the_shape_only_where_it_may(monkeypatch):
     assert make_plan(1, 24576, 4096).block_n == 64
     assert verify.block_n > decode.block_n
     # Verify at 32 lanes (256 rows) reads each weight tile 2-4 times instead of 16.
-    assert (verify.block_m, verify.dot_m, verify.num_warps) == (64, 32, 4)
+    # The tiles measured fastest on the H200 (docs/benchmarks.md): 64 x 128, two 32-row dots.
+    assert (verify.block_m, verify.dot_m, verify.block_n, verify.num_warps) == (64, 32, 128, 4)
     gate_up = make_plan(256, 24576, 4096)
-    assert (gate_up.block_m, gate_up.dot_m, gate_up.block_n, gate_up.num_warps) == (128, 32, 128, 8)
+    assert (gate_up.block_m, gate_up.dot_m, gate_up.block_n, gate_up.num_warps) == (64, 32, 128, 4)
+    assert (make_plan(32, 6144, 4096).block_m, make_plan(32, 6144, 4096).block_n) == (32, 64)
     assert make_plan(256, 24576, 4096, ieee_dot=True).block_m == 16  # fp32: FMA dots, kept small
     # The one-line fallback: FORCE_BLOCK_M = 16 gives back the fixed 16-row tile everywhere.
     monkeypatch.setattr(lt, "FORCE_BLOCK_M", 16)
