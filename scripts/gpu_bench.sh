@@ -21,7 +21,13 @@
 #   bash scripts/gpu_bench.sh busy
 #   bash scripts/gpu_bench.sh peer
 # (Measured on the H200 on 2026-11-30, stand-in pair at T = 1: graft + solo 5.4 min, team about
-# 3 min, busy 4.1 min; the peer is not measured yet. Every stage prints what it took.)
+# 3 min, busy 4.1 min; with --batch-invariant graft + solo 5.0 min, team 2.8 min. Every stage
+# prints what it took.)
+# The configuration whose gates can pass (docs/benchmarks.md): verify == decode to the bit needs
+# the batch-invariant kernels in both engines, and busy's memory gate (spec <= stock + 4 GiB)
+# needs the fp8 drafter pool at DSpark-8B size:
+#   BENCH_ARGS="--batch-invariant --draft-kv-dtype float8_e4m3fn" bash scripts/gpu_bench.sh graft solo
+# Pass JSPEC_COMMIT explicitly from the submitting checkout: the device's .git can be stale.
 # Every stage writes $BENCH_DIR/parts/<stage>.json and re-assembles $BENCH_DIR/bench.{json,md,png}
 # from all parts of the same run (same model, drafter, sampling, knobs and commit); the last stage
 # leaves the complete record. Each command copies $BENCH_DIR to $OUT/bench so what was measured
