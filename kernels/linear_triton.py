@@ -8,11 +8,22 @@ the next matmul input, those bits make verify and decode drift apart by ~3e-3 na
 
 What fixes an output element's bits here is the chain of instructions that accumulates it, and
 that chain is the same whatever M is:
-  * K is walked from 0 upward in BLOCK_K = 128 steps (a module constant, never chosen from the
-    shape; no split-K, so no cross-program reduction). Each step is one `tl.dot`, which Triton
-    lowers on sm_90 to BLOCK_K / 16 `mma.sync.m16n8k16` (bf16 in, fp32 accumulate) in k order,
-    the accumulator register feeding the next one (`acc += tl.dot` is folded into the MMA's C
-    operand). fp32 inputs (tests) take Triton's FMA dot instead, also in k order.
+  * K is walked in BLOCK_K = 128 steps (a module constant, never chosen from the shape). Each
+    step is one `tl.dot`, which Triton lowers on sm_90 to BLOCK_K / 16 `mma.sync.m16n8k16` (bf16
+    in, fp32 accumulate) in k order, the accumulator register feeding the next one (`acc +=
+    tl.dot` is folded into the MMA's C operand). fp32 inputs (tests) take Triton's FMA dot
+    instead, also in k order.
+  * Fixed split-K: the ceil(K / 128) steps are cut into S equal runs of whole steps, K_SPLIT =
+    ceil(K / 128) / S * 128 of k each (split s walks k from s * K_SPLIT upward, from a zero
+    accumulator, in the steps above, into its own fp32 partial p_s = [s, M, N]; only the last
+    split's last step can be masked at K), and y = (...((p_0 + p_1) + p_2) ... + p_{S-1}),
+    elementwise adds in that order (`combine`: a chain of jnp adds, which XLA does not
+    reassociate; not a reduction over the split axis, whose order XLA may pick by shape). S,
+    and so the boundaries, come from (N, K) alone (`_split_k`; never from M, nor the GPU's SM
+    count), so a row's value is the same ordered sum over s = 0..S-1 of the same fixed walks
+    whatever M is. S = 1 (gate_up, lm_head) is the plain walk from 0 to K, the kernel of before
+    split-K exactly. Another S gives other (equally valid) bits: S is part of the numerics, like
+    BLOCK_K, and only the tiles below are free.
   * A program owns BLOCK_M rows as BLOCK_M / DOT_M row blocks (1, 2 or 4) of DOT_M rows, each
     its own `tl.dot` and accumulator; the blocks share each weight tile, which is what makes wide
     row tiles cheap (a 16-row tile re-reads every weight tile M / 16 times from L2). Row tiles
@@ -34,7 +45,10 @@ that chain is the same whatever M is:
     row alone and among 8..256 rows, all five 8B shapes) passed, and none of 56 timed tilings in
     scripts/bench_linear.py (16-128-row tiles, 16/32-row dots, 64/128 columns, 4/8 warps) changed
     a bit of the default plan's output. Should another GPU or Triton break it, FORCE_BLOCK_M = 16
-    gives every plan the fixed 16-row tile again.
+    gives every plan the fixed 16-row tile again. The split walks (qkv, o, down under _split_k's
+    rule) are not yet run on the GPU, so plans do not split by default (FORCE_SPLIT_K = 1);
+    scripts/bench_linear.py --split-k times them and tests/test_batch_invariance_gpu.py checks
+    their invariance with explicit splits.
 Rows past M are masked to zero and never stored. The XLA twin is `kernels.linear.linear_xla`
 (jnp.einsum with fp32 accumulation: the same math, not batch-invariant).
 """
@@ -56,27 +70,44 @@ MAX_ROW_BLOCKS = 4  # row blocks (dots, accumulators) per program: the kernel ha
 FORCE_BLOCK_M: int | None = None  # 16: every plan takes the original fixed 16-row tile
 NUM_SMS_DEFAULT = 132  # H100 / H200
 SMEM_BUDGET = 160 * 1024  # bytes of pipelined x and w tiles a plan allows (sm_90: 227 KiB max)
+# Split-K (see _split_k): programs wanted at M = 1 in 16-column tiles (4 per SM of an H100/H200; a
+# fixed number, not the device's, so a shape's split and bits are the same on every GPU), the
+# fewest BLOCK_K steps a split walks, and the most splits.
+SPLIT_PROGRAMS = 4 * NUM_SMS_DEFAULT
+SPLIT_MIN_STEPS = 16
+MAX_SPLIT_K = 4
+# 1: every plan walks K unsplit (the walk measured on the H200); None: _split_k's rule. Split
+# walks stay opt-in until scripts/bench_linear.py --split-k has timed them on the GPU.
+FORCE_SPLIT_K: int | None = 1
 
 
 def _linear_kernel(x_ptr, w_ptr, y_ptr,
                    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                    BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IEEE_DOT: tl.constexpr):
+                   BLOCK_K: tl.constexpr, IEEE_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
     """One program = BLOCK_M rows x BLOCK_N columns of y, as BLOCK_M // DOT_M row blocks (each its
     own dot and accumulator) that share every weight tile; grid axis 0 walks the row tiles so the
-    programs that read the same weight columns run side by side (the weights come from L2)."""
+    programs that read the same weight columns run side by side (the weights come from L2).
+    SPLIT_K > 1: grid axis 2 is the split s, which walks its K_SPLIT = K / SPLIT_K (whole BLOCK_K
+    steps; the last split's last step masked at K) into y[s] of an [SPLIT_K, M, N] partial.
+    SPLIT_K = 1: the code of before split-K, unchanged (the constexpr branches drop out)."""
     BLOCKS: tl.constexpr = BLOCK_M // DOT_M
     PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"  # tf32: the default (bf16: unused)
+    K_SPLIT: tl.constexpr = (K + BLOCK_K * SPLIT_K - 1) // (BLOCK_K * SPLIT_K) * BLOCK_K
+    K_WALK: tl.constexpr = K if SPLIT_K == 1 else K_SPLIT  # this program's run of k
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, DOT_M)  # row block 0; block j: + j * DOT_M
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
+    if SPLIT_K > 1:
+        ks += tl.program_id(2) * K_SPLIT  # split s starts at k = s * K_SPLIT
+        y_ptr += tl.program_id(2).to(tl.int64) * M * N  # and writes partial s
     col_ok = cols < N
     acc0 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
     x_row = x_ptr + rows[:, None].to(tl.int64) * K
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K_WALK, BLOCK_K):
         k = k0 + ks
         k_ok = k < K
         w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + k[:, None],
@@ -125,14 +156,34 @@ class Plan:
     num_warps: int
     num_stages: int
     ieee_dot: bool
+    split_k: int = 1
 
     @property
-    def grid(self) -> tuple[int, int]:
-        return (-(-self.M // self.block_m), -(-self.N // self.block_n))
+    def grid(self) -> tuple[int, ...]:
+        grid = (-(-self.M // self.block_m), -(-self.N // self.block_n))
+        return grid if self.split_k == 1 else grid + (self.split_k,)
 
     def constexprs(self) -> dict:
         return dict(M=self.M, N=self.N, K=self.K, BLOCK_M=self.block_m, DOT_M=self.dot_m,
-                    BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, IEEE_DOT=self.ieee_dot)
+                    BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, IEEE_DOT=self.ieee_dot,
+                    SPLIT_K=self.split_k)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """What the kernel writes: y [M, N], or the partials [split_k, M, N] (see combine)."""
+        return (self.M, self.N) if self.split_k == 1 else (self.split_k, self.M, self.N)
+
+
+def combine(partials, split_k: int):
+    """y = (...((p[0] + p[1]) + p[2]) ... + p[S-1]): elementwise fp32 adds in split order (jax or
+    torch arrays; neither reassociates them). Not a sum over axis 0, whose order XLA picks by
+    shape. split_k = 1: the kernel's output is y itself."""
+    if split_k == 1:
+        return partials
+    y = partials[0]
+    for s in range(1, split_k):
+        y = y + partials[s]
+    return y
 
 
 def _pow2(v: int) -> bool:
@@ -152,17 +203,51 @@ def _wide_tiles(M: int, N: int, sms: int, block_n: int | None) -> tuple[int, int
     return 64, block_n or 128
 
 
+def _split_ok(K: int, split_k: int) -> bool:
+    """S splits must cut the ceil(K / BLOCK_K) steps into S equal runs of whole steps."""
+    return split_k >= 1 and -(-K // BLOCK_K) % split_k == 0
+
+
+def _split_k(N: int, K: int) -> int:
+    """The number of K splits, from (N, K) only: never from M (that is the invariance: every row
+    count of a shape sums the same splits), nor from the device. A skinny GEMM at M = 1 is bound
+    by the weight bytes in flight: with N = 4096 the decode plan's 16-column tiles give only 256
+    programs (~2 per SM of 132), each streaming all of K, and o_proj / down ran 30-45 % behind
+    XLA (H200, 2026-11-30). So aim for SPLIT_PROGRAMS (528, 4 per SM) programs of 16 columns:
+    S = ceil(528 / ceil(N / 16)), at most MAX_SPLIT_K (4); then the largest S <= that which cuts
+    the steps evenly and leaves each split >= SPLIT_MIN_STEPS (16 steps, 2048 of K: the 2-4-stage
+    pipeline's ramp and the partial's write stay small next to the walk). Qwen3-8B: qkv (6144 x
+    4096) 2, o (4096 x 4096) 2 (3 does not divide 32 steps), down (4096 x 12288) 3, gate_up
+    (24576) and lm_head (151936) 1 (>= 1536 programs already). Cost: S partials of M x N fp32
+    are written and read back by the combine, S * M * N * 8 bytes (M = 256, o: 16 MiB, mostly
+    L2, next to 32 MiB of weights; M = 1: 64 KiB), and since S may not vary with M, S stays
+    moderate."""
+    steps = -(-K // BLOCK_K)
+    want = min(MAX_SPLIT_K, -(-SPLIT_PROGRAMS // -(-N // MMA_M)))
+    return next(s for s in range(want, 0, -1)
+                if s == 1 or (_split_ok(K, s) and steps // s >= SPLIT_MIN_STEPS))
+
+
 def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | None = None,
               dot_m: int | None = None, block_n: int | None = None, num_sms: int | None = None,
-              num_warps: int | None = None, num_stages: int | None = None) -> Plan:
+              num_warps: int | None = None, num_stages: int | None = None,
+              split_k: int | None = None) -> Plan:
     """Tiles from the shape (none of these choices is meant to change a result's bits; see the
     module docstring). Up to 16 rows (decode) and when wide tiles would leave SMs idle: 16-row
-    tiles with the widest column tile (16..128) that still gives two programs per SM (a skinny
-    GEMM is bound by how many weight bytes are in flight, so it needs many programs). More rows
-    (verify): the measured tiles of _wide_tiles, so each weight tile is read M / BLOCK_M times
-    instead of M / 16. fp32 inputs keep 16 rows (FMA dots, kept small)."""
+    tiles with the widest column tile (16..128) that still gives two row x column tiles per SM
+    (a skinny GEMM is bound by how many weight bytes are in flight, so it needs many programs;
+    the splits are not counted here, so the decode tile is the one _split_k assumes).
+    More rows (verify): the measured tiles of _wide_tiles, so each weight tile is read
+    M / BLOCK_M times instead of M / 16. fp32 inputs keep 16 rows (FMA dots, kept small).
+    The K splits are _split_k(N, K) whatever M (split_k overrides it, for tuning: another split
+    gives other bits, the same for every M; it must cut ceil(K / 128) steps evenly)."""
     if min(M, N, K) < 1:
         raise ValueError(f"linear: empty operand (M={M}, N={N}, K={K})")
+    if split_k is None:
+        split_k = FORCE_SPLIT_K or _split_k(N, K)
+    if not _split_ok(K, split_k):
+        raise ValueError(f"split_k must divide the {-(-K // BLOCK_K)} steps of {BLOCK_K} in "
+                         f"K = {K} evenly, got {split_k}")
     sms = num_sms or NUM_SMS_DEFAULT
     if block_m is None:
         wide = None if (FORCE_BLOCK_M or ieee_dot) else _wide_tiles(M, N, sms, block_n)
@@ -196,7 +281,8 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
     if num_stages is None:
         num_stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
     return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=dot_m, block_n=block_n,
-                num_warps=num_warps, num_stages=num_stages, ieee_dot=bool(ieee_dot))
+                num_warps=num_warps, num_stages=num_stages, ieee_dot=bool(ieee_dot),
+                split_k=split_k)
 
 
 def interpreter_enabled() -> bool:
@@ -205,10 +291,11 @@ def interpreter_enabled() -> bool:
 
 def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None):
+                  num_stages: int | None = None, split_k: int | None = None):
     """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant. The
     keyword overrides (row tile, rows per dot, tile width, warps, stages) are for tuning: none is
-    meant to change a result's bits (module docstring: checked on the H200 across row tiles)."""
+    meant to change a result's bits (module docstring: checked on the H200 across row tiles).
+    split_k (tuning too) does change them: another split is another sum, as invariant in M."""
     import jax
     import jax.numpy as jnp
     import jax_triton as jt
@@ -225,17 +312,19 @@ def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
         sms = None
     plan = make_plan(M, N, K, ieee_dot=np.dtype(x.dtype) == np.float32, block_m=block_m,
                      dot_m=dot_m, block_n=block_n, num_sms=sms, num_warps=num_warps,
-                     num_stages=num_stages)
-    return jt.triton_call(
+                     num_stages=num_stages, split_k=split_k)
+    out = jt.triton_call(
         x, w, kernel=_kernel(), name="linear_bi",
-        out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32), grid=plan.grid,
+        out_shape=jax.ShapeDtypeStruct(plan.out_shape, jnp.float32), grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs())
+    return combine(out, plan.split_k)
 
 
 def launch_torch(x, w, *, block_m: int | None = None, dot_m: int | None = None,
-                 block_n: int | None = None, num_warps: int | None = None):
-    """The same kernel and plan on torch tensors: Triton's CPU interpreter (tests; the process
-    must start with TRITON_INTERPRET=1) or a CUDA torch build."""
+                 block_n: int | None = None, num_warps: int | None = None,
+                 split_k: int | None = None):
+    """The same kernel, plan and combine on torch tensors: Triton's CPU interpreter (tests; the
+    process must start with TRITON_INTERPRET=1) or a CUDA torch build."""
     import torch
 
     if x.device.type == "cpu" and not interpreter_enabled():
@@ -244,8 +333,8 @@ def launch_torch(x, w, *, block_m: int | None = None, dot_m: int | None = None,
     M, K = x.shape
     N = w.shape[0]
     plan = make_plan(M, N, K, ieee_dot=x.dtype == torch.float32, block_m=block_m, dot_m=dot_m,
-                     block_n=block_n, num_warps=num_warps)
-    y = torch.full((M, N), float("nan"), dtype=torch.float32, device=x.device)
+                     block_n=block_n, num_warps=num_warps, split_k=split_k)
+    y = torch.full(plan.out_shape, float("nan"), dtype=torch.float32, device=x.device)
     _kernel()[plan.grid](x.contiguous(), w.contiguous(), y, num_warps=plan.num_warps,
                          num_stages=plan.num_stages, **plan.constexprs())
-    return y
+    return combine(y, plan.split_k)

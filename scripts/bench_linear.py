@@ -1,23 +1,27 @@
 """The batch-invariant Triton linear kernel against XLA's GEMM at Qwen3-8B shapes: time and
-achieved weight bandwidth of the default plan, of the fixed 16-row fallback (FORCE_BLOCK_M = 16)
-and of a sweep of the plan's knobs (row tile, rows per dot, column tile, warps, stages), so the
-plan can be tuned on the GPU.
+achieved weight bandwidth of the default plan, of the fixed 16-row fallback (FORCE_BLOCK_M = 16),
+of the unsplit walk where the plan splits K (split_k = 1) and of a sweep of the plan's knobs (row
+tile, rows per dot, column tile, warps, stages, K splits), so the plan can be tuned on the GPU.
 
-The knobs are meant not to change a result's bits (kernels/linear_triton.py; on the H200 none of
-56 tilings did), but nothing here assumes it: every timed configuration's
-output (the first call of its timed chain, on the same inputs) is compared bit for bit with the
-default plan's, and the record says which differ (`bits_equal_plan`, `n_diff`, `bits`). The
-plan's own output is checked against XLA's (`max_rel_err_vs_xla`).
+The tiling knobs are meant not to change a result's bits (kernels/linear_triton.py; on the H200
+none of 56 tilings did), but nothing here assumes it: every timed configuration's output (the
+first call of its timed chain, on the same inputs) is compared bit for bit with the default
+plan's, and the record says which differ (`bits_equal_plan`, `n_diff`, `bits`). The number of K
+splits is another matter: it is part of the sum (fixed per shape, never per M), so a
+configuration with another split_k than the plan's is expected to differ from it (`same_split`
+false; `bits.other_split_differ`, not a failure); only same-split configurations must match
+(`bits.differ_from_plan` should stay empty). Every output is checked against XLA's
+(`max_rel_err_vs_xla`).
 
-Order: first XLA, the plan and the 16-row fallback at every (shape, rows); then the sweep at each
-of --sweep-rows in turn, one configuration at a time across all shapes (widest row tiles first),
-until --budget-s: a cut loses the same configurations on every shape, and the JSON is rewritten
-after every step. The best per (shape, rows) is over all timed entries.
+Order: first XLA, the plan, the 16-row fallback and the unsplit walk at every (shape, rows); then
+the sweep at each of --sweep-rows in turn, one configuration at a time across all shapes (widest
+row tiles first), until --budget-s: a cut loses the same configurations on every shape, and the
+JSON is rewritten after every step. The best per (shape, rows) is over all timed entries.
 
   . scripts/device_env.sh
-  timeout 100 python3 scripts/bench_linear.py --rows 1,8,32,256 --sweep-rows 32,256 \
-      --shapes qkv,o,gate_up,down --block-m 32,64,128 --block-n 64,128 --warps 4,8 \
-      --budget-s 75 --out $OUT/linear.json
+  timeout 100 python3 scripts/bench_linear.py --rows 1,8,32,256 --sweep-rows 1,8,32,256 \
+      --shapes qkv,o,gate_up,down --block-m auto --block-n auto --split-k 1,2,3,4 \
+      --budget-s 70 --out $OUT/linear.json
   python3 scripts/bench_linear.py --dry-run ... --out x   # list what would be timed (no GPU)
 """
 
@@ -31,7 +35,8 @@ import time
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
 # A swept configuration whose warps would each own less than a 16 x 32 accumulator (warps doing
-# the same MMAs twice) or more than 64 x 64 (spills) is left out; the default plan never is.
+# the same MMAs twice) or more than 64 x 64 (spills) is left out; the default plan's tile never
+# is (whatever the split: a split sweep at M = 1 keeps the 16 x 16 decode tile).
 WARP_TILE = (16 * 32, 64 * 64)
 
 
@@ -75,35 +80,40 @@ def _ints(spec: str, name: str) -> list:
 
 def cfg_of(plan) -> dict:
     return dict(block_m=plan.block_m, dot_m=plan.dot_m, block_n=plan.block_n,
-                num_warps=plan.num_warps, num_stages=plan.num_stages)
+                num_warps=plan.num_warps, num_stages=plan.num_stages, split_k=plan.split_k)
 
 
 def label(cfg: dict) -> str:
     return (f"bm{cfg['block_m']}_dm{cfg['dot_m']}_bn{cfg['block_n']}_w{cfg['num_warps']}"
-            f"_s{cfg['num_stages']}")
+            f"_s{cfg['num_stages']}_sk{cfg['split_k']}")
 
 
 def sweep_configs(M: int, N: int, K: int, args, num_sms: int | None) -> list[dict]:
     """The swept configurations at this shape, resolved through make_plan (so 'auto' entries and
     the rows-per-dot rule are the plan's): invalid ones (make_plan refuses them: wgmma, too many
-    row blocks), row tiles taller than M rounded up to a power of two (only masked rows more),
-    warp tiles outside WARP_TILE and duplicates are dropped; widest row tiles first."""
+    row blocks, a split that does not cut K's 128-steps evenly), row tiles taller than M rounded
+    up to a power of two (only masked rows more), warp tiles outside WARP_TILE and duplicates are
+    dropped; widest row tiles first."""
     from jspec.kernels.linear_triton import MMA_M, make_plan
 
     cap = max(MMA_M, 1 << max(0, M - 1).bit_length())
+    dflt = make_plan(M, N, K, num_sms=num_sms)
+    tile = lambda p: (p.block_m, p.dot_m, p.block_n, p.num_warps)  # noqa: E731
     seen, out = set(), []
-    for bm, dm, bn, nw, st in itertools.product(
+    for bm, dm, bn, nw, st, sk in itertools.product(
             _ints(args.block_m, "block-m"), _ints(args.dot_m, "dot-m"),
             _ints(args.block_n, "block-n"), _ints(args.warps, "warps"),
-            _ints(args.stages, "stages")):
+            _ints(args.stages, "stages"), _ints(args.split_k, "split-k")):
         if bm is not None and bm > cap:
             continue
         try:
             plan = make_plan(M, N, K, block_m=bm, dot_m=dm, block_n=bn, num_warps=nw,
-                             num_stages=st, num_sms=num_sms)
+                             num_stages=st, num_sms=num_sms, split_k=sk)
         except ValueError:
             continue
-        if not WARP_TILE[0] <= plan.block_m * plan.block_n // plan.num_warps <= WARP_TILE[1]:
+        if (tile(plan) != tile(dflt)
+                and not WARP_TILE[0] <= plan.block_m * plan.block_n // plan.num_warps
+                <= WARP_TILE[1]):
             continue
         cfg = cfg_of(plan)
         if label(cfg) not in seen:
@@ -114,7 +124,8 @@ def sweep_configs(M: int, N: int, K: int, args, num_sms: int | None) -> list[dic
 
 def _rank(cfg: dict) -> tuple:
     """Sweep order: widest row tiles first (the new ground), then widest column tiles."""
-    return (-cfg["block_m"], -cfg["block_n"], cfg["dot_m"], cfg["num_warps"], cfg["num_stages"])
+    return (-cfg["block_m"], -cfg["block_n"], cfg["dot_m"], cfg["num_warps"], cfg["num_stages"],
+            cfg["split_k"])
 
 
 def main(argv=None) -> None:
@@ -129,6 +140,9 @@ def main(argv=None) -> None:
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="auto", help="e.g. 2,4,8 (2: a 64/128-row tile in one dot)")
     ap.add_argument("--stages", default="auto", help="auto: the plan's shared-memory rule")
+    ap.add_argument("--split-k", default="auto", help="K splits, e.g. 1,2,3,4 (auto: the plan's "
+                    "rule from (N, K); one that does not cut K's 128-steps evenly is skipped). "
+                    "Another split than the plan's gives other bits, expectedly")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop sweeping once the run is this old (0: no limit)")
     ap.add_argument("--dry-run", action="store_true", help="list the sweep, time nothing")
@@ -146,14 +160,15 @@ def main(argv=None) -> None:
         for M in sorted(set(rows) | set(sweep_rows)):
             for name, (N, K) in shapes.items():
                 plan, legacy = (label(cfg_of(make_plan(M, N, K, block_m=bm))) for bm in (None, 16))
-                base += 2 + (legacy != plan)
+                unsplit = label(cfg_of(make_plan(M, N, K, split_k=1)))
+                base += 2 + (legacy != plan) + (unsplit != plan)
                 cfgs = ([label(c) for c in sweep_configs(M, N, K, args, None)]
                         if M in sweep_rows else [])
-                cfgs = [c for c in cfgs if c not in (plan, legacy)]
+                cfgs = [c for c in cfgs if c not in (plan, legacy, unsplit)]
                 total += len(cfgs)
-                print(f"{name} M={M}: plan {plan}, 16-row {legacy}; sweep {len(cfgs)}: "
-                      + " ".join(cfgs))
-        print(f"{base} baseline timings (XLA, plan, 16-row fallback), {total} swept")
+                print(f"{name} M={M}: plan {plan}, 16-row {legacy}, unsplit {unsplit}; "
+                      f"sweep {len(cfgs)}: " + " ".join(cfgs))
+        print(f"{base} baseline timings (XLA, plan, 16-row fallback, unsplit), {total} swept")
         return
 
     import functools
@@ -181,12 +196,12 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
 
-    differ = []
+    differ, other_split = [], []  # same split as the plan's: must not differ; another: may
 
     def run(name, M, cfg, y_plan):
-        """Time one configuration (None: the default plan, no overrides) and compare its output
-        with the default plan's; the record entry and the output."""
-        x, w = data[name, M][:2]
+        """Time one configuration (None: the default plan, no overrides), check it against XLA
+        and compare its output with the default plan's; the record entry and the output."""
+        x, w, _, y_xla = data[name, M]
         N, K = shapes[name]
         f = linear_triton if cfg is None else functools.partial(linear_triton, **cfg)
         plan = make_plan(M, N, K, num_sms=sms, **(cfg or {}))
@@ -197,11 +212,15 @@ def main(argv=None) -> None:
             entry["error"] = str(e)[:200]
             return entry, None
         entry.update(us=t * 1e6, TBps=gbytes(M, N, K) / t / 1e3)
+        scale = jnp.maximum(jnp.max(jnp.abs(y_xla)), 1e-30)
+        entry["max_rel_err_vs_xla"] = float(jnp.max(jnp.abs(y - y_xla)) / scale)
         if y_plan is not None:
             n_diff = int(jnp.sum(y != y_plan))
-            entry.update(bits_equal_plan=n_diff == 0, n_diff=n_diff)
+            same = plan.split_k == make_plan(M, N, K, num_sms=sms).split_k
+            entry.update(bits_equal_plan=n_diff == 0, n_diff=n_diff, same_split=same)
             if n_diff:
-                differ.append(f"{name} M={M} {entry['label']}: {n_diff} of {y.size} elements")
+                (differ if same else other_split).append(
+                    f"{name} M={M} {entry['label']}: {n_diff} of {y.size} elements")
         row = results.get((name, M))
         if row is not None and "us" in entry and (row["best"] is None
                                                   or entry["us"] < row["best"]["us"]):
@@ -214,25 +233,28 @@ def main(argv=None) -> None:
         w = (0.02 * jax.random.normal(kw, (N, K), jnp.float32)).astype(jnp.bfloat16)
         for M in sorted(set(rows) | set(sweep_rows)):
             x = jax.random.normal(jax.random.fold_in(kx, M), (M, K), jnp.float32)
-            data[name, M] = (x.astype(jnp.bfloat16), w, None)
-            t_xla, y_xla = timeit(linear_xla, *data[name, M][:2])
+            x = x.astype(jnp.bfloat16)
+            t_xla, y_xla = timeit(linear_xla, x, w)
+            data[name, M] = (x, w, None, y_xla)
             entry, y_plan = run(name, M, None, None)
-            if y_plan is not None:
-                scale = jnp.maximum(jnp.max(jnp.abs(y_xla)), 1e-30)
-                entry["max_rel_err_vs_xla"] = float(jnp.max(jnp.abs(y_plan - y_xla)) / scale)
-            data[name, M] = data[name, M][:2] + (y_plan,)
+            data[name, M] = (x, w, y_plan, y_xla)
             row = {"shape": name, "N": N, "K": K, "M": M, "xla_us": t_xla * 1e6,
                    "xla_TBps": gbytes(M, N, K) / t_xla / 1e3, "plan": entry, "legacy": None,
-                   "triton": [], "skipped": 0, "best": entry if "us" in entry else None}
+                   "unsplit": None, "triton": [], "skipped": 0,
+                   "best": entry if "us" in entry else None}
             results[name, M] = row
             record["rows"].append(row)
             legacy = cfg_of(make_plan(M, N, K, num_sms=sms, block_m=16))
             if label(legacy) != entry["label"]:
                 row["legacy"] = run(name, M, legacy, y_plan)[0]
+            unsplit = cfg_of(make_plan(M, N, K, num_sms=sms, split_k=1))
+            if label(unsplit) != entry["label"]:  # the kernel before split-K (other bits)
+                row["unsplit"] = run(name, M, unsplit, y_plan)[0]
             print(json.dumps({"shape": name, "M": M, "xla_us": round(row["xla_us"], 1),
                               "plan": entry["label"], "plan_us": round(entry.get("us", -1), 1),
                               "plan_err": entry.get("max_rel_err_vs_xla", entry.get("error")),
-                              "legacy_us": round((row["legacy"] or entry).get("us", -1), 1)}),
+                              "legacy_us": round((row["legacy"] or entry).get("us", -1), 1),
+                              "unsplit_us": round((row["unsplit"] or entry).get("us", -1), 1)}),
                   flush=True)
             save()
 
@@ -247,7 +269,8 @@ def main(argv=None) -> None:
         for lab in sorted(union, key=lambda lab: _rank(union[lab])):
             for name in shapes:
                 cfg, row = per_shape[name].get(lab), results[name, M]
-                if cfg is None or lab in (row["plan"]["label"], (row["legacy"] or {}).get("label")):
+                if cfg is None or lab in (row["plan"]["label"], (row["legacy"] or {}).get("label"),
+                                          (row["unsplit"] or {}).get("label")):
                     continue
                 if args.budget_s and time.perf_counter() - t_start > args.budget_s:
                     row["skipped"] += 1
@@ -258,17 +281,29 @@ def main(argv=None) -> None:
         best = row["best"] or {}
         print(json.dumps({"shape": row["shape"], "M": row["M"],
                           "xla_us": round(row["xla_us"], 1),
+                          "plan": row["plan"]["label"],
                           "plan_us": round(row["plan"].get("us", -1), 1),
+                          "unsplit_us": round((row["unsplit"] or row["plan"]).get("us", -1), 1),
                           "best": best.get("label"), "best_us": round(best.get("us", -1), 1),
                           "best_TBps": round(best.get("TBps", -1), 2),
                           "swept": sum("us" in e for e in row["triton"]),
                           "skipped": row["skipped"]}), flush=True)
-    swept = sum("n_diff" in e for row in record["rows"]
-                for e in row["triton"] + [row["legacy"] or {}])
-    record["bits"] = {"configs_compared": swept, "differ_from_plan": differ}
-    print(f"bits: {swept} configurations (sweep and 16-row fallback) compared with the default "
-          f"plan's output, "
-          f"{len(differ)} differ" + ("".join(f"\n  {d}" for d in differ)), flush=True)
+    compared = [e for row in record["rows"]
+                for e in row["triton"] + [row["legacy"] or {}, row["unsplit"] or {}]
+                if "n_diff" in e]
+    n_same = sum(e["same_split"] for e in compared)
+    worst = max((e.get("max_rel_err_vs_xla", 0.0) for row in record["rows"]
+                 for e in row["triton"] + [row["plan"], row["legacy"] or {},
+                                           row["unsplit"] or {}]), default=0.0)
+    record["bits"] = {"configs_compared": len(compared), "same_split": n_same,
+                      "differ_from_plan": differ, "other_split_differ": other_split,
+                      "max_rel_err_vs_xla": worst}
+    print(f"bits: {len(compared)} configurations (sweep, 16-row fallback, unsplit) compared "
+          f"with the default plan's output. Same split as the plan ({n_same}; must match): "
+          f"{len(differ)} differ" + "".join(f"\n  {d}" for d in differ)
+          + f"\nAnother split than the plan's ({len(compared) - n_same}; another sum, expected "
+          f"to differ, each as invariant in M): {len(other_split)} differ"
+          + f"\nworst max_rel_err_vs_xla of any timed output: {worst:.3g}", flush=True)
     save()
 
 

@@ -7,7 +7,7 @@
 #   2. fixed-text fidelity of the stand-in with and without EngineConfig.batch_invariant;
 #   3. stock step and speculative iteration at 1 and 32 lanes with --batch-invariant;
 #   4. the fp8 drafter pool at 32 lanes x 4096 (memory by sizes, iteration time);
-#   5. the linear kernel's row tiles against XLA's GEMM (scripts/bench_linear.py);
+#   5. the linear kernel's fixed split-K walks against XLA's GEMM (scripts/bench_linear.py);
 #   6. if time is left, a profile of the stock step (fused projections).
 #   bash scripts/gpu_invariance_check.sh
 set -uo pipefail
@@ -33,9 +33,9 @@ tail -5 "$OUT/steps_inv.log"
 timeout 110 python3 scripts/bench_steps.py --lanes 1,32 --spec-lanes 1,32 --contexts 4096 \
   --split-lanes "" --draft-kv-dtype float8_e4m3fn --out "$OUT/steps_fp8.json" > "$OUT/steps_fp8.log" 2>&1
 grep -E "speculation_extra|^\|" "$OUT/steps_fp8.log"
-timeout 100 python3 scripts/bench_linear.py --rows 1,8,32,256 --sweep-rows 32,256 \
-  --shapes qkv,o,gate_up,down --block-m 32,64,128 --block-n 64,128 --warps 4,8 \
-  --budget-s 70 --out "$OUT/linear.json" > "$OUT/linear.log" 2>&1
+timeout 100 python3 scripts/bench_linear.py --rows 1,8,32,256 --sweep-rows 1,8,32,256 \
+  --shapes qkv,o,gate_up,down --block-m auto --block-n auto --split-k 1,2,3,4 \
+  --budget-s 60 --out "$OUT/linear.json" > "$OUT/linear.log" 2>&1
 tail -12 "$OUT/linear.log"
 if (( SECONDS - START < 470 )); then
   timeout $(( 560 - (SECONDS - START) )) python3 scripts/profile_steps.py --no-trace-copy --trace-dir /tmp/trace \

@@ -27,12 +27,17 @@ def test_linear_triton_rows_invariant_and_correct(N, K):
     kx, kw = jax.random.split(jax.random.PRNGKey(N + K))
     w = (0.02 * jax.random.normal(kw, (N, K), jnp.float32)).astype(jnp.bfloat16)
     x = jax.random.normal(kx, (256, K), jnp.float32).astype(jnp.bfloat16)
-    f = jax.jit(linear_triton)
-    full = np.asarray(f(x, w))  # 256 rows: the widest row tiles the plan picks
-    for m in (1, 8, 16, 32, 128):  # every row, not only row 0: rows in later dot blocks too
-        np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m])
+    import functools
+
+    from jspec.kernels.linear_triton import _split_k
     ref = np.asarray(jax.jit(linear_xla)(x, w))
-    np.testing.assert_allclose(full, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # The default plan (unsplit), and the split rule's walk (opt-in until timed) where it splits.
+    for split in sorted({1, _split_k(N, K)}):
+        f = jax.jit(functools.partial(linear_triton, split_k=split))
+        full = np.asarray(f(x, w))  # 256 rows: the widest row tiles the plan picks
+        for m in (1, 8, 16, 32, 128):  # every row, not only row 0: rows in later dot blocks too
+            np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m], err_msg=f"split {split}")
+        np.testing.assert_allclose(full, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"], ids=["f32_in", "bf16_in"])

@@ -18,21 +18,30 @@ import pytest
 
 from test_kernels_attention import _triton_available
 
-# (M, N, K, dtype, block_n, block_m, dot_m): K not a multiple of BLOCK_K, N not of block_n, M of
-# 1..100 rows; None: the plan's choice. At these tiny N the plan keeps 16-row tiles (wider ones
-# would leave SMs idle), so the last five force wide row tiles: several row blocks per program
+# (M, N, K, dtype, block_n, block_m, dot_m[, split_k]): K not a multiple of BLOCK_K, N not of
+# block_n, M of 1..100 rows; None: the plan's choice. At these tiny N the plan keeps 16-row tiles
+# (wider ones would leave SMs idle), so five force wide row tiles: several row blocks per program
 # (dot_m < block_m), some partly or wholly past M, fp32 FMA dots, one 64-row dot (2-warp route).
+# The last five split K (at these short K the plan would not): 2 and 4 splits of K = 512 (4
+# steps of 128), K = 500 and 300 (the last split's last step masked), with wide row tiles too.
 SHAPES = [(1, 48, 200, "float32", None, None, None), (3, 64, 128, "float32", 16, None, None),
           (17, 40, 300, "float32", 32, None, None), (8, 128, 256, "bfloat16", None, None, None),
           (40, 24, 96, "bfloat16", 16, None, None), (1, 16, 1, "float32", None, None, None),
           (40, 40, 200, "bfloat16", 32, 64, 32), (70, 24, 300, "bfloat16", 16, 64, 16),
           (100, 24, 160, "bfloat16", 16, 128, 32), (20, 24, 160, "float32", 16, 32, 16),
-          (50, 40, 130, "bfloat16", 64, 64, 64)]
+          (50, 40, 130, "bfloat16", 64, 64, 64),
+          (5, 40, 512, "bfloat16", 16, None, None, 2),
+          (3, 24, 512, "bfloat16", None, None, None, 4),
+          (17, 40, 500, "bfloat16", 32, None, None, 2), (9, 24, 300, "float32", 16, None, None, 3),
+          (40, 40, 512, "bfloat16", 32, 64, 32, 4)]
 INVARIANCE_ROWS = (1, 5, 16, 33, 70)  # the same first row inside GEMMs of these many rows
 INV_N, INV_K = 48, 384
+INV_SPLITS = (2, 4)  # the same, split: K = 512 (4 steps) in 2 or 4 runs
+INV_K_SPLIT = 512
 # (block_m, dot_m, block_n): row tilings of all 70 rows, 16..128-row tiles of 1..4 row blocks.
 TILINGS = [(16, 16, 16), (16, 16, 64), (32, 32, 32), (32, 16, 16), (64, 32, 64), (64, 16, 32),
            (64, 64, 16), (128, 32, 32), (128, 64, 64), (128, 128, 16)]
+SPLIT_TILINGS = [(16, 16, 16), (32, 16, 32), (64, 32, 64), (128, 64, 16)]  # with INV_SPLITS
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
             "down": (4096, 12288), "lm_head": (151936, 4096)}
 PLAN_ROWS = (1, 8, 16, 32, 64, 128, 256)  # decode at 1..16 lanes, verify (8-row blocks) up to 32
@@ -63,8 +72,9 @@ def interpreted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("index", range(len(SHAPES)),
-                         ids=[f"M{m}_N{n}_K{k}_{d}_bn{bn}_bm{bm}_dm{dm}"
-                              for m, n, k, d, bn, bm, dm in SHAPES])
+                         ids=[f"M{m}_N{n}_K{k}_{d}_bn{bn}_bm{bm}_dm{dm}" + "".join(
+                              f"_sk{sk}" for sk in rest) for m, n, k, d, bn, bm, dm, *rest
+                              in SHAPES])
 def test_linear_interpreted_matches_float64(interpreted, index):
     M, N, K, dtype = SHAPES[index][:4]
     x, w = _inputs(index, M, N, K, dtype)
@@ -99,6 +109,47 @@ def test_linear_row_tilings_give_the_same_bits(interpreted):
         np.testing.assert_array_equal(got, base, err_msg=f"block_m={bm} dot_m={dm} block_n={bn}")
 
 
+@pytest.mark.parametrize("split", INV_SPLITS)
+def test_split_k_rows_are_batch_invariant(interpreted, split):
+    """With K split (fixed by the shape, never by M): row 0 alone and among 5, 16, 33 or 70 rows,
+    and all 70 rows through 16..128-row tiles, give the same bits; the values are right."""
+    base = interpreted[f"sk{split}_inv70"]
+    for m in INVARIANCE_ROWS:
+        np.testing.assert_array_equal(interpreted[f"sk{split}_inv{m}"][0], base[0],
+                                      err_msg=f"{m} rows")
+    for bm, dm, bn in SPLIT_TILINGS:
+        got = interpreted[f"sk{split}_tiling_{bm}_{dm}_{bn}"]
+        assert got.shape == base.shape and np.isfinite(got).all()
+        np.testing.assert_array_equal(got, base, err_msg=f"block_m={bm} dot_m={dm} block_n={bn}")
+    x, w = _inputs(98, max(INVARIANCE_ROWS), INV_N, INV_K_SPLIT, "bfloat16")
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(base, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("split", INV_SPLITS)
+def test_split_k_is_the_ordered_sum_of_fixed_walks(interpreted, split):
+    """What the invariance argument says the split computes, bit for bit: split s is the unsplit
+    walk over its own K range (K / S, whole 128-steps), and y = ((p_0 + p_1) + ...) + p_{S-1}
+    in fp32, in that order. Each p_s is the unsplit kernel run on the K slice alone. Controls:
+    2 runs of 2 steps, (d0 + d1) + (d2 + d3), differ from the unsplit walk ((d0 + d1) + d2) + d3
+    somewhere; 4 runs of 1 step are that very walk, so they equal it to the bit."""
+    base = interpreted[f"sk{split}_inv70"]
+    parts = [interpreted[f"sk{split}_part{s}"] for s in range(split)]
+    y = parts[0]
+    for p in parts[1:]:
+        y = (y + p).astype(np.float32)
+    np.testing.assert_array_equal(base, y)
+    if split > 2:  # another order of the same partials: (p0 + p1) + (p2 + p3) differs somewhere
+        other = (parts[0] + parts[1]) + (parts[2] + parts[3])
+        assert (other != base).any()
+    unsplit = interpreted["sk1_inv70"]
+    if split < INV_K_SPLIT // 128:
+        assert (unsplit != base).any()
+        np.testing.assert_allclose(unsplit, base, rtol=1e-5, atol=1e-5 * np.abs(base).max())
+    else:
+        np.testing.assert_array_equal(unsplit, base)
+
+
 def _legacy_plan(M, N, K, sms=132):
     """The plan before wide row tiles, which FORCE_BLOCK_M = 16 must give back."""
     block_n = next((bn for bn in (128, 64, 32) if -(-M // 16) * -(-N // bn) >= 2 * sms), 16)
@@ -108,6 +159,54 @@ def _legacy_plan(M, N, K, sms=132):
 
 def _plan_fields(plan):
     return {k: getattr(plan, k) for k in ("block_m", "dot_m", "block_n", "num_warps", "num_stages")}
+
+
+QWEN3_8B_SPLITS = {"qkv": 2, "o": 2, "gate_up": 1, "down": 3, "lm_head": 1}
+
+
+def test_split_k_depends_on_n_and_k_only(monkeypatch):
+    """The K splits are fixed by (N, K): the same for every row count (the invariance), fp32 or
+    bf16, any SM count and any tile override; 1 for the wide gate_up and lm_head. Splits cut the
+    ceil(K / 128) steps evenly, else the rule falls back to fewer (o wants 3 of 32 steps: 2) and
+    an override is refused; short K is not split."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    import jspec.kernels.linear_triton as lt
+    from jspec.kernels.linear_triton import BLOCK_K, MAX_SPLIT_K, SPLIT_MIN_STEPS, _split_k
+    assert lt.FORCE_SPLIT_K == 1  # opt-in until timed on the GPU: the default plan walks unsplit
+    assert all(lt.make_plan(M, N, K).split_k == 1 for N, K in QWEN3_8B.values() for M in PLAN_ROWS)
+    monkeypatch.setattr(lt, "FORCE_SPLIT_K", None)  # plans take the rule
+    for name, (N, K) in QWEN3_8B.items():
+        want = QWEN3_8B_SPLITS[name]
+        assert _split_k(N, K) == want, name
+        for M in PLAN_ROWS + (2, 3, 5, 7, 9, 100, 200, 255):
+            for kw in ({}, dict(ieee_dot=True), dict(num_sms=114), dict(block_m=16),
+                       dict(block_n=128), dict(num_warps=8)):
+                plan = lt.make_plan(M, N, K, **kw)
+                assert plan.split_k == want, (name, M, kw)
+                grid = plan.grid
+                assert grid[2:] == ((want,) if want > 1 else ())
+                assert plan.out_shape == ((M, N) if want == 1 else (want, M, N))
+        if want > 1:  # whole steps, each split long enough
+            assert K % (want * BLOCK_K) == 0 and K // want // BLOCK_K >= SPLIT_MIN_STEPS
+    # The rule's fallback: o (32 steps) would take 3 splits for 528 programs; 3 does not divide
+    # 32, so 2. Too short a K is not split; N small asks for at most MAX_SPLIT_K.
+    assert -(-lt.SPLIT_PROGRAMS // (4096 // 16)) == 3 and _split_k(4096, 4096) == 2
+    assert _split_k(4096, 2048) == 1 and _split_k(1024, 1024) == 1
+    assert _split_k(512, 65536) == MAX_SPLIT_K
+    assert _split_k(4096, 4096 + 128) == 1  # 33 steps: 3 runs of 11 too short, 2 uneven
+    # Overrides: any split that cuts the steps evenly (other bits, as invariant); else refused.
+    assert lt.make_plan(1, 4096, 4096, split_k=4).split_k == 4
+    assert lt.make_plan(256, 48, 500, block_m=16, block_n=16, split_k=2).grid == (16, 3, 2)
+    assert lt.make_plan(1, 4096, 4096, split_k=1).grid == (1, 256)
+    assert lt.make_plan(1, 4096, 4096, split_k=1).constexprs()["SPLIT_K"] == 1
+    for bad in (0, 3, 5):
+        with pytest.raises(ValueError, match="split_k"):
+            lt.make_plan(1, 4096, 4096, split_k=bad)
+    # FORCE_SPLIT_K = 1: the unsplit walk everywhere.
+    monkeypatch.setattr(lt, "FORCE_SPLIT_K", 1)
+    for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS):
+        assert lt.make_plan(M, N, K).split_k == 1
 
 
 def test_plan_depends_on_the_shape_only_where_it_may(monkeypatch):
@@ -154,6 +253,32 @@ def test_plan_depends_on_the_shape_only_where_it_may(monkeypatch):
         make_plan(0, 8, 8)
 
 
+def test_combine_is_the_ordered_chain_of_adds():
+    """The JAX combine of the split partials (what linear_triton runs after the kernel) is the
+    left-to-right chain ((p0 + p1) + p2) + p3 for every M, as compiled by XLA (here the CPU
+    backend; the GPU's algebraic simplifier is the same): no reduce over the split axis, whose
+    order XLA could pick by shape, and the same bits as numpy's fp32 chain."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.kernels.linear_triton import combine
+    rng = np.random.default_rng(3)
+    for S, M in itertools.product((2, 3, 4), (1, 8, 256)):
+        p = rng.normal(size=(S, M, 64)) * 10.0 ** rng.integers(-3, 4, size=(S, M, 64))
+        p = p.astype(np.float32)
+        f = jax.jit(lambda a, S=S: combine(a, S))
+        hlo = f.lower(jnp.asarray(p)).compile().as_text()
+        assert " reduce(" not in hlo and "reduce-window" not in hlo
+        want = p[0]
+        for s in range(1, S):
+            want = want + p[s]
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(p))), want, err_msg=f"S={S} M={M}")
+        if S == 4:  # the test can tell orders apart
+            assert ((p[0] + p[1]) + (p[2] + p[3]) != want).any()
+
+
 def test_linear_interface_and_xla_twin():
     import jax.numpy as jnp
 
@@ -196,12 +321,13 @@ def _interpret_worker(work: Path) -> None:
     from jspec.kernels.linear_triton import launch_torch
 
     out = {}
-    for i, (M, N, K, dtype, block_n, block_m, dot_m) in enumerate(SHAPES):
+    for i, (M, N, K, dtype, block_n, block_m, dot_m, *split) in enumerate(SHAPES):
         x, w = _inputs(i, M, N, K, dtype)
         tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         out[str(i)] = launch_torch(torch.from_numpy(x).to(tdt), torch.from_numpy(w).to(tdt),
                                    block_n=block_n, block_m=block_m, dot_m=dot_m,
-                                   num_warps=2 if (dot_m or 0) >= 64 else None).numpy()
+                                   num_warps=2 if (dot_m or 0) >= 64 else None,
+                                   split_k=split[0] if split else None).numpy()
     x, w = (torch.from_numpy(a).to(torch.bfloat16)
             for a in _inputs(99, max(INVARIANCE_ROWS), INV_N, INV_K, "bfloat16"))
     for m in INVARIANCE_ROWS:
@@ -209,6 +335,21 @@ def _interpret_worker(work: Path) -> None:
     for bm, dm, bn in TILINGS:  # the interpreter ignores the warps; 2 let a 64+-row dot through
         out[f"tiling_{bm}_{dm}_{bn}"] = launch_torch(x, w, block_m=bm, dot_m=dm, block_n=bn,
                                                      num_warps=2 if dm >= 64 else None).numpy()
+    x, w = (torch.from_numpy(a).to(torch.bfloat16)
+            for a in _inputs(98, max(INVARIANCE_ROWS), INV_N, INV_K_SPLIT, "bfloat16"))
+    out["sk1_inv70"] = launch_torch(x, w, block_n=16, split_k=1).numpy()
+    for sk in INV_SPLITS:
+        for m in INVARIANCE_ROWS:
+            out[f"sk{sk}_inv{m}"] = launch_torch(x[:m], w, block_n=16, split_k=sk).numpy()
+        for bm, dm, bn in SPLIT_TILINGS:
+            out[f"sk{sk}_tiling_{bm}_{dm}_{bn}"] = launch_torch(
+                x, w, block_m=bm, dot_m=dm, block_n=bn, split_k=sk,
+                num_warps=2 if dm >= 64 else None).numpy()
+        ks = INV_K_SPLIT // sk
+        for s in range(sk):  # each split's walk alone: the unsplit kernel on its K slice
+            out[f"sk{sk}_part{s}"] = launch_torch(x[:, s * ks:(s + 1) * ks].contiguous(),
+                                                  w[:, s * ks:(s + 1) * ks].contiguous(),
+                                                  block_n=16, split_k=1).numpy()
     _attention_worker(out)
     np.savez(work / "out.npz", **out)
 
@@ -217,18 +358,25 @@ def _interpret_worker(work: Path) -> None:
 
 def _sm90_cases():
     """(id, M, N, K, overrides), one per distinct kernel configuration: every plan make_plan makes
-    at Qwen3-8B's shapes for 1..256 rows, and the 1-2-warp route to a 64/128-row dot (override)."""
+    at Qwen3-8B's shapes for 1..256 rows, unsplit and with the split rule's splits (2 and 3), the 1-2-warp route to a
+    64/128-row dot (override) and a 4-way split of o (override)."""
     try:
         from jspec.kernels.linear_triton import make_plan
     except Exception:  # noqa: BLE001 - no triton: the tests skip
         return [("no_triton", 1, 16, 16, {})]
     cases = {}
     wanted = [((M, N, K), {}) for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS)]
+    # The split rule's plans (opt-in: FORCE_SPLIT_K = 1 by default), by explicit override.
+    from jspec.kernels.linear_triton import _split_k
+    wanted += [((M, N, K), dict(split_k=_split_k(N, K)))
+               for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS)]
     wanted += [((256, 4096, 4096), dict(block_m=64, block_n=64, num_warps=2)),
-               ((256, 4096, 4096), dict(block_m=128, block_n=32, num_warps=2))]
+               ((256, 4096, 4096), dict(block_m=128, block_n=32, num_warps=2)),
+               ((1, 4096, 4096), dict(split_k=4))]
     for (M, N, K), kw in wanted:
         p = make_plan(M, N, K, **kw)
-        key = f"bm{p.block_m}_dm{p.dot_m}_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}"
+        key = (f"bm{p.block_m}_dm{p.dot_m}_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}"
+               f"_sk{p.split_k}")
         cases.setdefault(key, (key, M, N, K, kw))
     return sorted(cases.values())
 
@@ -273,8 +421,9 @@ def _spill_bytes(cubin: bytes) -> int | None:
 
 @pytest.mark.parametrize("case", _sm90_cases(), ids=lambda c: c[0])
 def test_linear_compiles_for_sm90(case):
-    """Every kernel configuration a plan can take compiles for the H200 to mma.sync m16n8k16 (bf16
-    in, fp32 accumulate) and nothing else, never wgmma; shared memory fits, no spills."""
+    """Every kernel configuration a plan can take, split or not, compiles for the H200 to mma.sync
+    m16n8k16 (bf16 in, fp32 accumulate) and nothing else, never wgmma; shared memory fits, no
+    spills."""
     if not _triton_available():
         pytest.skip("triton not installed")
     from jspec.kernels.linear_triton import make_plan
@@ -286,6 +435,8 @@ def test_linear_compiles_for_sm90(case):
     assert "wgmma" not in ptx
     mmas = re.findall(r"\bmma\.\S+", ptx)
     assert mmas and set(mmas) == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}
+    # Only a split kernel reads grid axis 2 (split 1 is the unsplit kernel, its branches gone).
+    assert ("%ctaid.z" in ptx) == (plan.split_k > 1)
     spills = _spill_bytes(compiled.asm["cubin"])
     assert spills in (None, 0), f"{spills} bytes of spills"
 
@@ -298,7 +449,7 @@ def test_sm90_dot_of_64_rows_with_4_warps_is_wgmma():
         pytest.skip("triton not installed")
     from jspec.kernels.linear_triton import BLOCK_K
     constexprs = dict(M=256, N=4096, K=4096, BLOCK_M=64, DOT_M=64, BLOCK_N=64, BLOCK_K=BLOCK_K,
-                      IEEE_DOT=False)
+                      IEEE_DOT=False, SPLIT_K=1)
     ptx = _compile_sm90(constexprs, num_warps=4, num_stages=3).asm["ptx"]
     assert "wgmma" in ptx and "mma.sync" not in ptx
 
