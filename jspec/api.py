@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jspec.config import ConfigError
+from jspec.config import SPEC_DECODE_STEPS, STOCK_DECODE_STEPS, ConfigError
 from jspec.engine import Engine, EngineConfig, Request
 
 
@@ -94,8 +94,8 @@ class LLM:
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{self.model_dir}: cannot load its tokenizer: {e}") from None
         max_context = min(max_context, self.cfg.max_position_embeddings)
-        if decode_steps is None:  # about 16 tokens per lane per dispatch either way
-            decode_steps = 2 if drafter is not None else 16
+        if decode_steps is None:  # jspec.config says why these
+            decode_steps = SPEC_DECODE_STEPS if drafter is not None else STOCK_DECODE_STEPS
         self.engine = Engine(self.cfg, model_module, self.tokenizer.eos_ids, EngineConfig(
             max_lanes=max_lanes, page_size=page_size, max_context=max_context, num_pages=num_pages,
             prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl,

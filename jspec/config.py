@@ -12,6 +12,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+# Steps (stock) or speculative iterations per device dispatch (EngineConfig.decode_steps) that
+# the API and the bench default to. Every dispatch costs host time (state in, tokens out, the
+# jitted call). On the H200 one speculative iteration takes 7.0 ms inside a 16-iteration dispatch
+# (scripts/bench_steps.py), but the bench at 2 per dispatch got 11.6 ms per iteration: about 9 ms
+# per dispatch, inferred (docs/benchmarks.md). 8 iterations (up to 64 tokens) amortise it about as
+# stock's 16 steps do; a finished lane idles at most the rest of its dispatch.
+STOCK_DECODE_STEPS = 16
+SPEC_DECODE_STEPS = 8
+
 
 class ConfigError(ValueError):
     """A config.json that jspec cannot serve faithfully."""

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from jspec.bench import gate as G
 from jspec.bench import workloads as W
+from jspec.config import SPEC_DECODE_STEPS, STOCK_DECODE_STEPS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,9 +77,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="transformers peer with solo: auto = on unless --quick")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--stock-decode-steps", type=int, default=16, help="decode steps per dispatch")
-    p.add_argument("--spec-decode-steps", type=int, default=2, help="speculative iterations per "
-                   "dispatch")
+    p.add_argument("--stock-decode-steps", type=int, default=STOCK_DECODE_STEPS,
+                   help="decode steps per dispatch")
+    p.add_argument("--spec-decode-steps", type=int, default=SPEC_DECODE_STEPS,
+                   help="speculative iterations per dispatch (jspec.config says why 8)")
     p.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "triton"])
     p.add_argument("--batch-invariant", action="store_true", help="GPU: the target's matmuls and "
                    "attention through batch-invariant kernels in both engines (verify rows and "
