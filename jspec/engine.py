@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import time
 from typing import Callable, Sequence
 
 import jax.numpy as jnp
@@ -265,6 +266,7 @@ class Engine:
         token. A resumed (preempted) one prefills everything but its last emitted token, which
         becomes the next step's input again: nothing is sampled twice, so the continuation uses
         exactly the random draws it would have used without preemption."""
+        t0 = time.perf_counter()
         resumed = bool(req.output_ids)
         context = req.context_ids[:-1] if resumed else req.context_ids
         chunk = self.ecfg.prefill_chunk
@@ -280,6 +282,7 @@ class Engine:
         self.stats["prefill_tokens"] += len(context)
         if not resumed:
             self._emit(req, [int(token[0])], [float(logprob[0])])
+        self.stats["time_prefill_s"] += time.perf_counter() - t0
 
     def _emit(self, req: Request, tokens: list[int], logprobs: list[float]) -> None:
         for tok, lp in zip(tokens, logprobs):
@@ -321,6 +324,12 @@ class Engine:
         waiting.appendleft(req)
 
     def _decode_dispatch(self, on_update) -> None:
+        """One device dispatch of `decode_steps` steps (or iterations) for every lane. Wall time
+        is split into stats: time_prepare_s (host arrays in), time_call_s (the jitted call until
+        it returns; it runs asynchronously), time_wait_s (until the tokens are on the host: the
+        device's share) and time_emit_s (host bookkeeping): what a dispatch costs beyond the
+        device's work, measured where the engine runs."""
+        t0 = time.perf_counter()
         lanes = self.lanes
         B = len(lanes)
         live = [r is not None for r in lanes]
@@ -337,10 +346,13 @@ class Engine:
             stop_on_eos=jnp.asarray([r.stop_on_eos if r else True for r in lanes]),
             sampling=self._sampling(lanes),
         )
+        t1 = time.perf_counter()
         self.caches, _, out_tokens, out_logprobs, *extra = self.programs.decode(
             self.params, self.caches, state, num_steps=self.ecfg.decode_steps)
+        t2 = time.perf_counter()
         out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
         step_tokens = np.asarray(extra[0]) if extra else None
+        t3 = time.perf_counter()
         self.stats["decode_dispatches"] += 1
         for b in range(B):
             req = lanes[b]
@@ -355,3 +367,6 @@ class Engine:
                 on_update(req)
             if req.finished:
                 self._retire(req)
+        t4 = time.perf_counter()
+        for key, dt in (("prepare", t1 - t0), ("call", t2 - t1), ("wait", t3 - t2), ("emit", t4 - t3)):
+            self.stats[f"time_{key}_s"] += dt

@@ -211,6 +211,11 @@ def test_bench_quick_end_to_end(bench_pair, tmp_path, capsys):
         assert rec["tokens_per_s"][w]["stock"] > 0 and rec["tokens_per_s"][w]["spec"] > 0
         assert {"ratio", "low", "high"} <= set(rec["lengths"][w])
         assert not rec["workloads"][w]["recompiled"]
+        details = rec["workloads"][w]
+        for e in ("stock", "spec"):  # the engine's wall time by phase, per pass
+            for t, wall in zip(details["engine_time"][e], details["wall_s"][e]):
+                assert t["decode_dispatches"] >= 1 and min(t["prepare_s"], t["call_s"], t["emit_s"]) > 0
+                assert t["prefill_s"] + t["prepare_s"] + t["call_s"] + t["wait_s"] + t["emit_s"] <= wall
     for key in ("gap", "se", "candidate", "stock"):
         assert rec["likelihood"][key] is not None
     assert {"gap", "se"} <= set(rec["argmax"])

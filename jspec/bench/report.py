@@ -89,6 +89,9 @@ def assemble(parts: dict, *, env: dict, warnings: list[str] | None = None,
             "tokens": {"stock": [a["tokens"] for a in st], "spec": [b["tokens"] for b in sp]},
             "preemptions": {"stock": sum(a["preemptions"] for a in st),
                             "spec": sum(b["preemptions"] for b in sp)},
+            # per pass: the engine's wall time by phase (host vs device share of a dispatch)
+            "engine_time": {"stock": [a.get("engine_time") for a in st],
+                            "spec": [b.get("engine_time") for b in sp]},
             "acceptance_per_position": p["verify"]["acceptance_per_position"],
             "verify_steps": p["verify"]["steps"],
             "peak_mib": None if not peak else {
@@ -284,6 +287,7 @@ def markdown(rec: dict) -> str:
                    f"{_fmt(ro.get('bytes_per_step', 0) / 1e6, '.1f')} MB per decode step at mean "
                    f"context {_fmt(ro.get('mean_context'), '.0f')}: bound "
                    f"{_fmt(ro['hbm_bound_tokens_per_s'], '.1f')} tok/s ({ro.get('device')}).")
+    out += _host_lines(rec)
     peer = rec.get("peer") or {}
     if peer.get("tokens_per_s"):
         out.append(f"Peer (transformers {peer.get('transformers')}, {peer.get('mode')}): "
@@ -361,3 +365,24 @@ def write_outputs(rec: dict, out_dir: Path) -> None:
         rec["warnings"] = list(rec.get("warnings") or []) + [f"no chart: {e}"]
         (out_dir / "bench.json").write_text(json.dumps(rec, indent=2, allow_nan=False) + "\n")
     (out_dir / "bench.md").write_text(markdown(rec))
+
+
+def _host_lines(rec: dict) -> list[str]:
+    """Per workload and engine: host milliseconds per decode dispatch (arrays in, the jitted
+    call, bookkeeping out) against the wait for the device, summed over the passes."""
+    out = []
+    for w in WORKLOAD_ORDER:
+        times = ((rec.get("workloads") or {}).get(w) or {}).get("engine_time") or {}
+        cells = []
+        for e in ("stock", "spec"):
+            ts = [t for t in times.get(e) or [] if t]
+            n = sum(t["decode_dispatches"] for t in ts)
+            if not n:
+                continue
+            host = sum(t["prepare_s"] + t["call_s"] + t["emit_s"] for t in ts)
+            wait = sum(t["wait_s"] for t in ts)
+            cells.append(f"{e} {1e3 * host / n:.2f} ms host + {1e3 * wait / n:.2f} ms waiting per "
+                         f"dispatch ({n} dispatches)")
+        if cells:
+            out.append(f"Host ({w}): " + "; ".join(cells) + ".")
+    return out

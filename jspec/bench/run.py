@@ -483,7 +483,8 @@ class Bench:
                               "min": min(map(len, prompts)), "max": max(map(len, prompts))},
             "passes": [{"engine": r.engine, "index": r.index, "wall_s": r.wall_s, "tokens": r.tokens,
                         "tokens_per_s": r.tokens_per_s, "preemptions": r.preemptions,
-                        "occupancy_mean": (sum(r.occupancy) / len(r.occupancy)) if r.occupancy else None}
+                        "occupancy_mean": (sum(r.occupancy) / len(r.occupancy)) if r.occupancy else None,
+                        "engine_time": r.timing}
                        for r in passes],
             "verify": {"steps": len(step_tokens), "tokens": sum(step_tokens),
                        "tau": sum(step_tokens) / len(step_tokens) if step_tokens else None,

@@ -173,6 +173,9 @@ class PassResult:
     step_tokens: list[list[int]]
     preemptions: int
     occupancy: list[float]  # KV pool occupancy sampled at each dispatch while the queue was full
+    # Engine wall time by phase (Engine.stats time_*_s: prefill, prepare, call, wait, emit) and
+    # the number of decode dispatches: what the host adds to the device's work.
+    timing: dict = dataclasses.field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -211,16 +214,21 @@ def timed_pass(engine, requests, *, engine_name: str, index: int, desc: str,
             bar.update(1)
 
     preempt0 = engine.stats["preemptions"]
+    timing_keys = ("time_prefill_s", "time_prepare_s", "time_call_s", "time_wait_s", "time_emit_s",
+                   "decode_dispatches")
+    before = {k: engine.stats[k] for k in timing_keys}
     gc.collect()
     t0 = time.perf_counter()
     engine.generate(requests, on_update)
     wall = time.perf_counter() - t0
     bar.close()
+    timing = {k.removeprefix("time_"): engine.stats[k] - before[k] for k in timing_keys}
     return PassResult(engine=engine_name, index=index, wall_s=wall,
                       tokens=sum(len(r.output_ids) for r in requests),
                       outputs=[list(r.output_ids) for r in requests],
                       step_tokens=[list(r.step_tokens) for r in requests],
-                      preemptions=engine.stats["preemptions"] - preempt0, occupancy=occupancy)
+                      preemptions=engine.stats["preemptions"] - preempt0, occupancy=occupancy,
+                      timing=timing)
 
 
 def alternate_passes(engines: dict, prompts, spec: WorkloadSpec, sampling: dict, *,
