@@ -9,6 +9,7 @@ Modules:
   ragged_paged_attention.py         the interface, dispatch and the XLA reference (CPU path, oracle)
   ragged_paged_attention_triton.py  the GPU kernel (Triton via jax-triton); imports triton, so it
                                     is imported only when impl="triton" is chosen
+  ragged_paged_attention_pallas_tpu.py  the TPU kernel (Pallas Mosaic; see TPU below)
   kv_cache_write.py                 write_kv, a plain XLA scatter into the page pools
   linear.py                         the model's matmuls: linear(x, w, impl) with its XLA twin
   linear_triton.py                  batch-invariant Triton matmul (a row's bits never depend on
@@ -18,19 +19,18 @@ Modules:
   rowwise_triton.py                 batch-invariant Triton RMSNorm and logsumexp (one program per
                                     row, a fixed order), the batch_invariant partners of linear
 
-TPU: no Pallas TPU kernel yet; impl="pallas_tpu" raises NotImplementedError and impl="auto" on a
-TPU uses the XLA reference. Why not now: the GPU kernel came first and the Pallas TPU version is a
-different program, not a port (Mosaic TPU wants (8, 128)-aligned blocks and DMAs pages from HBM
-into VMEM with `pltpu.make_async_copy` double-buffering, driven by scalar-prefetched page tables;
-the GPU kernel gathers token rows with pointer arithmetic). Its interpret mode runs on CPU, so it
-can be tested there against the XLA reference exactly like the Triton kernel. The straightest
-route is JAX's own `jax.experimental.pallas.ops.tpu.ragged_paged_attention` (present in jax 0.10.2),
-which has nearly this contract (q [T, Hq, D], kv_lens, page_indices, cu_q_lens, num_seqs) but
-(a) its own KV layout, K and V interleaved on the head axis of one pool [P, S, 2 * Hkv, D], so
-the pool layout behind write_kv would change (re-interleaving per call would copy the whole pool
-every layer and step), (b) causal masking only (the drafter's non-causal block would stay on
-XLA), and (c) no `interpret` switch on its entry point, so a CPU test would need its kernel body
-driven through pallas_call(interpret=True) by hand.
+TPU: ragged_paged_attention_pallas_tpu.py is the Pallas TPU (Mosaic) kernel behind
+impl="pallas_tpu": grid (lanes, kv heads), kv_lens / page table / cu_q_lens scalar-prefetched,
+each lane's queries packed with XLA ops into one [max_q_len * G, D] block per kv head (the Triton
+kernel's GQA packing), K/V pages left in HBM and DMA'd page by page into double-buffered VMEM with
+`pltpu.make_async_copy`, online softmax in fp32, fp8 pages widened on load. It is a separate
+program, not a port of the Triton kernel, and keeps this repo's pool layout ([P, S, Hkv, D], K and
+V in two pools, non-causal supported), unlike jax's own
+`jax.experimental.pallas.ops.tpu.ragged_paged_attention` (interleaved K/V pool, causal only).
+It is tested only in TPU interpret mode on CPU (pltpu.InterpretParams, tests/
+test_kernels_pallas_tpu.py) against the XLA reference; Mosaic compilation, layouts and
+performance on a real TPU are unchecked, so impl="auto" on a TPU still uses the XLA reference, and
+impl="pallas_tpu" off a TPU raises unless JSPEC_PALLAS_TPU_INTERPRET=1 (interpret mode, slow).
 """
 
 from jspec.kernels.kv_cache_write import write_kv

@@ -11,7 +11,10 @@ Implementations behind `impl`:
   "triton_invariant"  the same kernel with its batch-invariant plan: a query's output bits do
                not depend on how many queries its lane has in the call (decode 1, verify up to
                8), so verify and decode agree exactly. The XLA reference makes no such promise.
-  "pallas_tpu" not written (see kernels/__init__.py).
+  "pallas_tpu" ragged_paged_attention_pallas_tpu.py: one Pallas (Mosaic) program per lane x kv
+               head, pages DMA'd from HBM into VMEM. Tested only in TPU interpret mode on CPU,
+               not yet on a TPU. Off a TPU it refuses unless JSPEC_PALLAS_TPU_INTERPRET=1, which
+               runs it in interpret mode (slow: for tests). "auto" never picks it.
   "auto"       triton on GPU (xla if jax-triton is missing), xla elsewhere.
 
 `max_q_len` is a static bound on every lane's q_len that kernels tile by (1 decode, k+1 verify,
@@ -97,7 +100,17 @@ def ragged_paged_attention(
         return ragged_paged_attention_triton(*args, sm_scale=sm_scale, causal=causal,
                                              max_q_len=max_q_len,
                                              invariant=impl == "triton_invariant")
-    raise NotImplementedError("the Pallas TPU kernel is not written yet; use impl='xla'")
+    # impl == "pallas_tpu". Off a TPU only in interpret mode, and only when asked for (tests).
+    import os
+    on_tpu = jax.default_backend() == "tpu"
+    if not on_tpu and os.environ.get("JSPEC_PALLAS_TPU_INTERPRET") != "1":
+        raise RuntimeError(
+            f"impl='pallas_tpu' needs a TPU backend (this one is {jax.default_backend()!r}); set "
+            "JSPEC_PALLAS_TPU_INTERPRET=1 to run it in Pallas TPU interpret mode (slow, for "
+            "tests), or use impl='xla'")
+    from jspec.kernels.ragged_paged_attention_pallas_tpu import ragged_paged_attention_pallas_tpu
+    return ragged_paged_attention_pallas_tpu(*args, sm_scale=sm_scale, causal=causal,
+                                             max_q_len=max_q_len, interpret=not on_tpu)
 
 
 @functools.lru_cache(maxsize=None)
