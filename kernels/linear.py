@@ -39,10 +39,16 @@ def check_impl(impl: str) -> None:
     if impl not in LINEAR_IMPLS:
         raise ValueError(f"linear impl must be one of {LINEAR_IMPLS}, got {impl!r}")
     if impl == "triton":
-        if jax.default_backend() != "gpu":
-            raise ValueError("batch-invariant linear layers (impl 'triton') need an NVIDIA GPU; "
-                             f"this backend is {jax.default_backend()}")
-        try:
-            import jax_triton  # noqa: F401
-        except ImportError as e:
-            raise ValueError(f"batch-invariant linear layers need jax-triton: {e}") from e
+        require_triton_gpu("batch-invariant linear layers")
+
+
+def require_triton_gpu(what: str) -> None:
+    """Refuse the Triton route off an NVIDIA GPU or without jax-triton, naming `what` needs it
+    (the batch-invariant kernels' shared precondition)."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"{what} (impl 'triton') need an NVIDIA GPU; this backend is "
+                         f"{jax.default_backend()}")
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"{what} need jax-triton: {e}") from e

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jspec.kernels.linear import require_triton_gpu
+
 REDUCTION_IMPLS = ("xla", "triton")
 
 
@@ -31,13 +33,7 @@ def check_impl(impl: str) -> None:
     if impl not in REDUCTION_IMPLS:
         raise _bad_impl(impl)
     if impl == "triton":
-        if jax.default_backend() != "gpu":
-            raise ValueError("batch-invariant reductions (impl 'triton') need an NVIDIA GPU; "
-                             f"this backend is {jax.default_backend()}")
-        try:
-            import jax_triton  # noqa: F401
-        except ImportError as e:
-            raise ValueError(f"batch-invariant reductions need jax-triton: {e}") from e
+        require_triton_gpu("batch-invariant reductions")
 
 
 # ---- RMSNorm -----------------------------------------------------------------------------------

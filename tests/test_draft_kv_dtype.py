@@ -8,29 +8,18 @@ clipping, fp8 pages in the XLA reference and the Triton kernel) is in test_kerne
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from jspec.config import PRESETS
-from jspec.dspark import DSparkConfig, init_random_drafter
+from jspec.dspark import init_random_drafter
 from jspec.engine import Engine, EngineConfig, Request
 from jspec.qwen3 import init_random
 
-CFG = PRESETS["tiny-untied"]  # float32
-K = 7
-DCFG = DSparkConfig(layers=CFG.replace(num_layers=2), block_size=K, mask_token_id=CFG.vocab_size - 1,
-                    target_layer_ids=(0, 2, 4), markov_rank=CFG.hidden_size)
-ECFG = EngineConfig(max_lanes=3, page_size=8, max_context=160, prefill_chunk=16, decode_steps=3,
-                    attn_impl="xla")
+# The speculative engine tests' tiny float32 pair and engine config (and their CLI/API fixture).
+from test_spec_engine import CFG, DCFG, ECFG, K, _scaled, tiny_pair_dirs  # noqa: F401 (fixture)
+
 FP8 = "float8_e4m3fn"
-
-
-def _scaled(module, factor):
-    nnx.update(module, jax.tree.map(lambda x: x * factor if x.ndim > 1 else x, nnx.state(module)))
-    return module
 
 
 def _loud(drafter):
@@ -109,19 +98,6 @@ def test_invalid_draft_kv_dtype_is_refused(bad):
 
 
 # ---- API and CLI ----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_pair_dirs(tmp_path_factory):
-    from hf_models import make_hf_qwen3, save_drafter_checkpoint, write_tiny_tokenizer
-    from jspec.loading import load_model
-    d = tmp_path_factory.mktemp("tiny-target")
-    make_hf_qwen3(CFG, d, seed=5, std=0.3)
-    write_tiny_tokenizer(d, CFG.vocab_size)
-    _, target = load_model(d)
-    dd = tmp_path_factory.mktemp("tiny-draft")
-    save_drafter_checkpoint(_scaled(init_random_drafter(DCFG, seed=8), 5), DCFG, dd, target=target)
-    return d, dd
-
 
 def test_api_and_cli_thread_it(tiny_pair_dirs, capsys):
     from jspec.api import LLM

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import numpy as np
 import pytest
 
 from jspec.kernels.kv_cache_write import write_kv
+from triton_tools import ptxas_report, run_interpret_worker
 from jspec.kernels.ragged_paged_attention import (ragged_paged_attention,
                                                   ragged_paged_attention_xla)
 
@@ -352,10 +352,7 @@ def interpreted_outputs(tmp_path_factory):
                          max_q_len=case.max_q_len, overrides=dict(case.overrides)))
     np.savez(work / "in.npz", **arrays)
     (work / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "--interpret-worker", str(work)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    run_interpret_worker(__file__, work)
     with np.load(work / "out.npz") as out:
         return {i: out[str(i)] for i in range(len(CASES))}
 
@@ -405,7 +402,6 @@ def _compile_sm90(plan, dtype: str, page_dtype: str | None = None):
     compiler and the ptxas bundled in the triton wheel: no GPU needed. Pointer arguments carry
     the 16-byte divisibility that jax-triton declares for XLA buffers."""
     import re
-    import subprocess as sp
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -433,13 +429,7 @@ def _compile_sm90(plan, dtype: str, page_dtype: str | None = None):
         ASTSource(fn=fwd, signature=signature, constexprs=constexprs, attrs=attrs),
         target=target, options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
     ptx = compiled.asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    info = ""
-    if ptxas.exists():
-        ptx_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"rpa_{os.getpid()}.ptx"
-        ptx_path.write_text(ptx)
-        info = sp.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_path), "-o",
-                       str(ptx_path.with_suffix(".cubin"))], capture_output=True, text=True).stderr
+    info = ptxas_report(ptx, "rpa")
     return dict(shared=compiled.metadata.shared,
                 vector_copies=len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", ptx)),
                 spills="bytes spill" in info and not re.search(r"\b0 bytes spill stores", info),

@@ -6,7 +6,6 @@ the same checks run in tests/test_kernels_gpu.py."""
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from test_kernels_attention import _triton_available
+from triton_tools import run_interpret_worker
 
 # (M, N, K, dtype, block_n, block_m, dot_m[, split_k]): K not a multiple of BLOCK_K, N not of
 # block_n, M of 1..100 rows; None: the plan's choice. At these tiny N the plan keeps 16-row tiles
@@ -62,11 +62,7 @@ def interpreted(tmp_path_factory):
     if not _triton_available():
         pytest.skip("triton (and torch) not installed")
     work = tmp_path_factory.mktemp("linear_interp")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "--interpret-worker", str(work)], env=env,
-                          capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parent)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    run_interpret_worker(__file__, work)
     with np.load(work / "out.npz") as out:
         return {k: out[k] for k in out.files}
 

@@ -9,8 +9,6 @@ tests/test_batch_invariance_gpu.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import numpy as np
 import pytest
 
 from test_kernels_attention import _triton_available
+from triton_tools import ptxas_report, run_interpret_worker
 
 EPS = 1e-6
 # (M, D, x dtype, w dtype, f32_out): D of one step (128, 256, 4096), not a power of two (200),
@@ -74,11 +73,7 @@ def interpreted(tmp_path_factory):
     if not _triton_available():
         pytest.skip("triton (and torch) not installed")
     work = tmp_path_factory.mktemp("rowwise_interp")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "--interpret-worker", str(work)], env=env,
-                          capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parent)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    run_interpret_worker(__file__, work)
     with np.load(work / "out.npz") as out:
         return {k: out[k] for k in out.files}
 
@@ -354,14 +349,7 @@ def _compile_sm90(kernel, signature, constexprs, num_warps):
                   attrs={(i,): [["tt.divisibility", 16]] for i in range(len(signature))}),
         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
     ptx = compiled.asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    info = ""
-    if ptxas.exists():
-        ptx_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"rowwise_{os.getpid()}.ptx"
-        ptx_path.write_text(ptx)
-        info = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_path), "-o",
-                               str(ptx_path.with_suffix(".cubin"))], capture_output=True,
-                              text=True).stderr
+    info = ptxas_report(ptx, "rowwise")
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill", info)]
     return compiled, ptx, spills
 
