@@ -72,6 +72,17 @@ def parse_args(argv=None):
     g.add_argument("--batch", type=int, default=8)
     g.add_argument("--target-steps", type=int, default=4000)
     g.add_argument("--target-lr", type=float, default=6e-4)
+    g.add_argument("--short-seq-len", type=int, default=0,
+                   help="train most steps on rows of this length (the same tokens per step), every "
+                        "--long-every-th step on full --seq-len rows: attention's cost grows with the "
+                        "row length, so short rows are cheaper, and the long ones keep S trained at "
+                        "its full context (0 = every step at --seq-len)")
+    g.add_argument("--long-every", type=int, default=5)
+    g.add_argument("--data-parallel", type=int, default=0,
+                   help="devices for S's data-parallel steps (0 = all local devices)")
+    g.add_argument("--target-until", type=float, default=0,
+                   help="stop pre-training at this time.time() (a deadline shared with what runs "
+                        "before it in one GPU call; 0 = none)")
     g.add_argument("--heldout-fraction", type=float, default=0.01)
     g.add_argument("--eval-every", type=int, default=500)
     g.add_argument("--eval-rows", type=int, default=64)
@@ -89,6 +100,13 @@ def parse_args(argv=None):
     g.add_argument("--reply-temperature", type=float, default=0.7)
     g.add_argument("--reply-top-p", type=float, default=0.8)
     g.add_argument("--reply-top-k", type=int, default=20)
+    g.add_argument("--reply-t1", action=argparse.BooleanOptionalAction, default=False,
+                   help="also answer every training prompt at temperature 1.0 without top-p / top-k "
+                        "(the benchmark's headline law; data/replies_t1.jsonl), and train the drafters "
+                        "on both sets")
+    g.add_argument("--reply-sets", default="train,train_t1,eval",
+                   help="which reply sets this run may sample (the others must exist or are not "
+                        "needed): split across processes, one per GPU, with --stop-after-replies")
     g.add_argument("--engine-replies", action=argparse.BooleanOptionalAction, default=None,
                    help="sample replies with the jspec engine on the expanded S (default: on with "
                         "the qwen3 tokenizer; off: a plain no-cache loop, fine at toy size)")
@@ -105,6 +123,9 @@ def parse_args(argv=None):
     g.add_argument("--draft-steps", type=int, default=3000)
     g.add_argument("--draft-lr", type=float, default=6e-4)
     g.add_argument("--skip-dflash", action="store_true")
+    g.add_argument("--only-drafter", choices=["dspark", "dflash"],
+                   help="train and evaluate this drafter alone (the two run side by side, one per GPU; "
+                        "summary_<name>.json and engine_eval_<name>.json)")
     g.add_argument("--eval-prompts-dir",
                    help="directory with humaneval.jsonl / mbpp.jsonl: tokens per verify step of both "
                         "drafters through the engine at T = 1 and greedy (measurement only)")
@@ -228,9 +249,9 @@ def stage_target(args, out: Path, target_cfg, train_docs, held_docs, tok_dir, eo
     log multiplicities; the export's config.json names the vocabulary (jspec_* keys)."""
     from jspec.loading import load_model
     from jspec.qwen3 import init_random
-    from jspec.train import OptimConfig
+    from jspec.train import OptimConfig, data_mesh
     from jspec.train.checkpointing import CheckpointManager, LossLog, export_target, fit, resume
-    from jspec.train.data import batch_source, pack_documents
+    from jspec.train.data import batch_source, interleaved_source, pack_documents
     from jspec.train.target import TargetTrainConfig, TargetTrainer
 
     export = out / "target"
@@ -244,12 +265,24 @@ def stage_target(args, out: Path, target_cfg, train_docs, held_docs, tok_dir, eo
     held = pack_documents(held_docs, args.seq_len, args.sep_id)[:args.eval_rows]
     log(f"target: {len(rows)} rows x {args.seq_len} tokens for training, {len(held)} held out")
     eval_batch = min(args.batch, len(held))
+    batches = batch_source({"tokens": rows}, args.batch, args.seed)
+    if args.short_seq_len:
+        if args.seq_len % args.short_seq_len:
+            raise SystemExit(f"--short-seq-len {args.short_seq_len} must divide --seq-len {args.seq_len}")
+        split = args.seq_len // args.short_seq_len  # a long row is `split` short rows, cut in place
+        short = batch_source({"tokens": rows.reshape(-1, args.short_seq_len)}, args.batch * split, args.seed)
+        batches = interleaved_source(short, batches, args.long_every)
+        log(f"target: {args.long_every - 1} of every {args.long_every} steps on {args.batch * split} rows x "
+            f"{args.short_seq_len}, the rest on {args.batch} x {args.seq_len}")
+    mesh = data_mesh(args.data_parallel or None)
+    if mesh is not None:
+        log(f"target: data-parallel over {mesh.size} devices")
     trainer = TargetTrainer(
         init_random(target_cfg, seed=args.seed),
         OptimConfig(args.target_steps, lr=args.target_lr, weight_decay=0.1, b2=0.95),
         TargetTrainConfig(compute_dtype=args.compute_dtype, attn_impl=args.attn, remat=args.remat,
                           loss_chunk=args.loss_chunk), seed=args.seed,
-        logit_bias=None if vocab is None else vocab.log_multiplicity())
+        logit_bias=None if vocab is None else vocab.log_multiplicity(), mesh=mesh)
     manager = CheckpointManager(out / "ckpt" / "target")
     run_id = {"corpus_sha256": args.corpus_sha256, "tokens": int(rows.size)}
     if resume(trainer, manager, expect=run_id) is not None:
@@ -257,10 +290,11 @@ def stage_target(args, out: Path, target_cfg, train_docs, held_docs, tok_dir, eo
     loss_log = LossLog(out / "logs" / "target.jsonl", resume_step=trainer.state.step or None)
     evaluate = (lambda: trainer.eval_loss(held, eval_batch)) if eval_batch else None
     t0 = time.time()
-    fit(trainer, batch_source({"tokens": rows}, args.batch, args.seed), args.target_steps,
+    deadlines = [t for t in (args.target_until, t0 + 60 * args.target_minutes if args.target_minutes else 0) if t]
+    fit(trainer, batches, args.target_steps,
         manager=manager, ckpt_every=args.ckpt_every, log=loss_log, eval_fn=evaluate,
         eval_every=args.eval_every, log_every=args.log_every, progress=not args.quiet, desc="target",
-        ckpt_extra=run_id, deadline=t0 + 60 * args.target_minutes if args.target_minutes else None)
+        ckpt_extra=run_id, deadline=min(deadlines) if deadlines else None)
     held_loss = evaluate() if evaluate else None
     if held_loss:
         loss_log.write({"step": trainer.state.step, **{f"eval_{k}": v for k, v in held_loss.items()}})
@@ -317,37 +351,50 @@ def stage_prompts(args, out: Path, tok, train_texts, held_texts, train_docs, hel
     return sets["prompts"], sets["prompts_eval"]
 
 
-def engine_replies(full_dir: Path, prompts, args, temperature: float) -> list[list[int]]:
+def engine_replies(full_dir: Path, prompts, args, temperature: float, raw: bool = False) -> list[list[int]]:
     """S's replies through the jspec engine on the expanded (full-vocabulary) S: the law the
-    graft serves. Per-request seeds; top-p / top-k only when sampling."""
+    graft serves. Per-request seeds; top-p / top-k only when sampling and not `raw`."""
     from jspec.api import LLM, SamplingParams
     longest = max(map(len, prompts)) + args.reply_tokens
     llm = LLM(full_dir, dtype=args.compute_dtype, max_lanes=args.reply_lanes,
               max_context=-(-longest // 64) * 64, prefill_chunk=512, attn_impl="auto")
-    sp = [SamplingParams(temperature=temperature, top_p=args.reply_top_p if temperature else 1.0,
-                         top_k=args.reply_top_k if temperature else 0, seed=args.seed * 100003 + i,
+    truncate = temperature and not raw
+    seed0 = args.seed * 100003 + (7919 if raw else 0)  # the raw set draws other seeds
+    sp = [SamplingParams(temperature=temperature, top_p=args.reply_top_p if truncate else 1.0,
+                         top_k=args.reply_top_k if truncate else 0, seed=seed0 + i,
                          max_tokens=args.reply_tokens) for i in range(len(prompts))]
     return [r.token_ids for r in llm.generate([list(p) for p in prompts], sp)]
 
 
+REPLY_SETS = {"train": "replies", "train_t1": "replies_t1", "eval": "replies_eval"}
+
+
 def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | None):
-    """Replies to the training prompts (sampled: T, top-p, top-k of --reply-*) and to the held-out
-    prompts (greedy), as ids of the tokenizer (full ids with the qwen3 tokenizer)."""
+    """Replies to the training prompts (sampled: T, top-p, top-k of --reply-*; with --reply-t1
+    also at T = 1.0 without truncation) and to the held-out prompts (greedy), as ids of the
+    tokenizer (full ids with the qwen3 tokenizer). Sets this run may not sample (--reply-sets)
+    are read when another process has written them, else left out (None)."""
     from jspec.train.data import read_replies, write_replies
     from jspec.train.drafter import sample_replies
+    may_sample = {REPLY_SETS[k] for k in args.reply_sets.split(",") if k}
     sets = {}
     for name, prompt_set, temperature, given in (
             ("replies", prompts[0], args.reply_temperature, args.replies),
+            ("replies_t1", prompts[0], 1.0, None),
             ("replies_eval", prompts[1], 0.0, args.eval_replies)):
         path = out / "data" / f"{name}.jsonl"
+        if name == "replies_t1" and not args.reply_t1:
+            continue
         if given:
             sets[name] = read_replies(given)
         elif path.is_file():
             sets[name] = read_replies(path)
+        elif name not in may_sample:
+            sets[name] = None
         else:
             t0 = time.time()
             if full_dir is not None:
-                replies = engine_replies(full_dir, prompt_set, args, temperature)
+                replies = engine_replies(full_dir, prompt_set, args, temperature, raw=name == "replies_t1")
             else:  # a plain loop without a KV cache: fine at toy size, slow at 4k context
                 replies = sample_replies(model, prompt_set, args.reply_tokens, temperature=temperature,
                                          seed=args.seed, eos_ids=eos_ids, batch_size=args.reply_batch,
@@ -356,7 +403,12 @@ def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | Non
             log(f"{name}: {len(prompt_set)} replies, {sum(map(len, replies)):,} tokens, "
                 f"T = {temperature}, {time.time() - t0:.0f} s")
             sets[name] = (prompt_set, replies)
-    return sets["replies"], sets["replies_eval"]
+    train = sets["replies"]
+    if sets.get("replies_t1") and train:  # both laws' replies train the drafters
+        train = (list(train[0]) + list(sets["replies_t1"][0]), list(train[1]) + list(sets["replies_t1"][1]))
+    elif args.reply_t1:
+        train = None  # not all of it yet: another process is sampling the rest
+    return train, sets["replies_eval"]
 
 
 def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held, vocab):
@@ -399,7 +451,7 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     return {"untrained": before, "trained": after, "steps": trainer.state.step}
 
 
-def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Path]) -> dict:
+def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Path], path: Path) -> dict:
     """Tokens per verify step of each drafter through the engine on the humaneval + mbpp first
     turns (chat template), at T = 1 and greedy; greedy outputs checked against stock."""
     from jspec.api import LLM, SamplingParams
@@ -428,7 +480,7 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
             result[f"{name}_{label}"] = rec
             log(f"eval {name} {label}: tokens per verify step {rec['tokens_per_step']:.3f}"
                 + (f", greedy match {rec['greedy_match']:.3f}" if "greedy_match" in rec else ""))
-    (out / "engine_eval.json").write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -445,8 +497,8 @@ def main(argv=None):
         args.compact_rows = 24576 if qwen3 else 0
     if args.engine_replies is None:
         args.engine_replies = qwen3
-    if light_resume(args, out):  # S and its replies exist: the corpus is not needed again
-        return drafter_stages(args, out, *light_state(args, out))
+    if light_resume(args, out):  # S and its prompts exist: the corpus is not needed again
+        return after_target(args, out, *light_state(args, out))
     texts = stage_corpus(args, out)
     tok, tok_dir, vocab_size, args.sep_id, mask_id = stage_tokenizer(args, out, texts)
     train_texts, held_texts = split_files(texts, args)
@@ -475,35 +527,50 @@ def main(argv=None):
     model, held_loss = stage_target(args, out, target_cfg, rows_of(train_docs), rows_of(held_docs),
                                     tok_dir, eos_ids, vocab)
     prompts = stage_prompts(args, out, tok, train_texts, held_texts, train_docs, held_docs)
+    full_dir = full_target_dir(args, out, vocab)  # made here, before processes that share it start
     if args.only_target:
         log(f"--only-target: S is in {out / 'target'}; prompts in {out / 'data'}")
         return
-    full_dir = None
-    if args.engine_replies:
-        from jspec.convert.expand_vocab import expand_target
-        full_dir = out / "full" / "target"
-        if not (full_dir / "config.json").is_file():
-            expand_target(out / "target", full_dir) if vocab else shutil.copytree(out / "target", full_dir)
-    train_pr, eval_pr = stage_replies(args, out, model, prompts, [full_sep] + eos_ids, full_dir)
+    after_target(args, out, target_cfg, model, vocab, mask_id, full_dir, prompts,
+                 [full_sep] + eos_ids, {"config": target_cfg.to_hf_dict(), "heldout": held_loss})
+
+
+def full_target_dir(args, out: Path, vocab) -> Path | None:
+    """The expanded (full-vocabulary) S the engine serves, made once (None without the engine)."""
+    if not args.engine_replies:
+        return None
+    from jspec.convert.expand_vocab import expand_target
+    full_dir = out / "full" / "target"
+    if not (full_dir / "config.json").is_file():
+        expand_target(out / "target", full_dir) if vocab else shutil.copytree(out / "target", full_dir)
+    return full_dir
+
+
+def after_target(args, out: Path, target_cfg, model, vocab, mask_id, full_dir, prompts, eos_ids,
+                 target_summary):
+    """Replies, then (unless --stop-after-replies) the drafters."""
+    train_pr, eval_pr = stage_replies(args, out, model, prompts, eos_ids, full_dir)
     if args.stop_after_replies:
         log("--stop-after-replies: done")
         return
-    drafter_stages(args, out, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr,
-                   {"config": target_cfg.to_hf_dict(), "heldout": held_loss})
+    missing = [n for n, r in (("training", train_pr), ("held-out", eval_pr)) if r is None]
+    if missing:
+        raise SystemExit(f"the {' and '.join(missing)} replies are not all in {out / 'data'}: sample them "
+                         f"first (--reply-sets, --stop-after-replies)")
+    drafter_stages(args, out, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr, target_summary)
 
 
 def light_resume(args, out: Path) -> bool:
     data = out / "data"
     return ((out / "target" / "config.json").is_file() and (out / "manifest.json").is_file()
-            and (data / "replies.jsonl").is_file() and (data / "replies_eval.jsonl").is_file())
+            and (data / "prompts.jsonl").is_file() and (data / "prompts_eval.jsonl").is_file())
 
 
 def light_state(args, out: Path):
-    """What the drafter stages need, from OUT alone (after a first call that stopped after the
-    replies): S, its vocabulary, the replies."""
+    """What the later stages need, from OUT alone (after a first call that stopped after S and
+    its prompts, or after the replies): S, its vocabulary, the prompts."""
     from jspec.loading import load_model
     from jspec.tokenizer import Tokenizer
-    from jspec.train.data import read_replies
     from jspec.train.vocab import CompactVocab
     args.corpus_sha256 = json.loads((out / "manifest.json").read_text())["sha256"]
     hf = json.loads((out / "target" / "config.json").read_text())
@@ -518,12 +585,14 @@ def light_state(args, out: Path):
         args.sep_id = int(vocab.to_rows([sep])[0])
     elif args.tokenizer != "qwen3":
         mask_id = tok.vocab_size
-    if args.engine_replies or args.engine_replies is None and args.tokenizer == "qwen3":
-        full_dir = out / "full" / "target"
+    full_dir = full_target_dir(args, out, vocab)
     held = (out / "target_heldout.json")
-    log(f"resuming from {out}: S, its vocabulary and replies (corpus not re-read)")
-    return (target_cfg, model, vocab, mask_id, full_dir, read_replies(out / "data" / "replies.jsonl"),
-            read_replies(out / "data" / "replies_eval.jsonl"),
+    gen = out / "target" / "generation_config.json"
+    eos_ids = [sep] + (json.loads(gen.read_text())["eos_token_id"] if gen.is_file() else [])
+    prompts = tuple([json.loads(line)["prompt_ids"] for line in (out / "data" / f"{n}.jsonl").read_text().splitlines()
+                     if line] for n in ("prompts", "prompts_eval"))
+    log(f"resuming from {out}: S, its vocabulary and prompts (corpus not re-read)")
+    return (target_cfg, model, vocab, mask_id, full_dir, prompts, eos_ids,
             {"config": target_cfg.to_hf_dict(),
              "heldout": json.loads(held.read_text())["heldout"] if held.is_file() else None})
 
@@ -543,7 +612,7 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
     summary = {"target": target_summary}
     drafter_dirs = {}
     for name, dflash, loss in (("dspark", False, DSPARK_LOSS), ("dflash", True, DFLASH_LOSS)):
-        if dflash and args.skip_dflash:
+        if dflash and args.skip_dflash or args.only_drafter not in (None, name):
             continue
         dcfg = drafter_config(target_cfg, draft_layers=args.draft_layers, mask_token_id=mask_id,
                               block_size=args.block_size, tap_layers=taps,
@@ -558,10 +627,12 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
                 expand_drafter(out / name, drafter_dirs[name], out / "target")
             elif not drafter_dirs[name].exists():
                 shutil.copytree(out / name, drafter_dirs[name])
+    suffix = f"_{args.only_drafter}" if args.only_drafter else ""
     if args.eval_prompts_dir and full_dir is not None:
-        summary["engine_eval"] = stage_engine_eval(args, out, full_dir, drafter_dirs)
+        summary["engine_eval"] = stage_engine_eval(args, out, full_dir, drafter_dirs,
+                                                   out / f"engine_eval{suffix}.json")
     summary["args"] = vars(args)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / f"summary{suffix}.json").write_text(json.dumps(summary, indent=1, default=str))
     log(f"done: {out}")
 
 

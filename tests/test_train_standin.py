@@ -40,11 +40,15 @@ def trained(tmp_path_factory):
               "--reply-lanes", "4", "--draft-seq-len", "160", "--draft-layers", "1", "--anchors", "4",
               "--markov-rank", "4", "--draft-batch", "2", "--draft-steps", "3", "--skip-dflash",
               "--compute-dtype", "float32", "--export-dtype", "float32", "--ckpt-every", "3",
-              "--no-remat", "--quiet"]
+              "--no-remat", "--quiet", "--reply-t1", "--short-seq-len", "64", "--long-every", "2"]
     ts = _script("train_standin")
-    ts.main(common + ["--stop-after-replies"])
+    ts.main(common + ["--only-target"])
     first = {p.name for p in out.iterdir()}
-    ts.main(common)
+    with pytest.raises(SystemExit, match="replies are not all in"):  # the T = 1 set is not there yet
+        ts.main(common + ["--reply-sets", "train,eval"])
+    # the reply sets as two processes would sample them side by side (one per GPU)
+    ts.main(common + ["--stop-after-replies", "--reply-sets", "train_t1"])
+    ts.main(common + ["--only-drafter", "dspark"])
     return out, first
 
 
@@ -53,9 +57,9 @@ def json_module_dir():
     return Path(j.__file__).parent
 
 
-def test_first_call_stops_after_replies_and_second_resumes(trained):
+def test_calls_resume_from_s_and_its_prompts_then_replies_then_one_drafter(trained):
     out, first = trained
-    assert {"manifest.json", "target", "data", "full"} <= first and "dspark" not in first
+    assert {"manifest.json", "target", "data"} <= first and "dspark" not in first
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["file_count"] == 5 and len(manifest["sha256"]) == 64
     hf = json.loads((out / "target" / "config.json").read_text())
@@ -67,8 +71,13 @@ def test_first_call_stops_after_replies_and_second_resumes(trained):
     assert d["mask_token_id"] == 511 and d["num_hidden_layers"] == 1
     full = json.loads((out / "full" / "dspark" / "config.json").read_text())
     assert full["mask_token_id"] == 151669 and full["vocab_size"] == 151936
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["dspark"]["metrics"]["steps"] == 3
+    t1 = [json.loads(l) for l in (out / "data" / "replies_t1.jsonl").read_text().splitlines()]
+    assert [r["prompt_ids"] for r in t1] == [r["prompt_ids"] for r in replies]  # same prompts, T = 1
+    summary = json.loads((out / "summary_dspark.json").read_text())
+    assert summary["dspark"]["metrics"]["steps"] == 3 and "dflash" not in summary
+    assert not (out / "dflash").exists()
+    log = [json.loads(l) for l in (out / "logs" / "target.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, 7))
 
 
 def test_transfer_round_trip_is_int8_rows_times_bf16_scales(trained, tmp_path):

@@ -22,8 +22,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Array = jax.Array
 Params = Any  # a pure dict of arrays, as nnx.to_pure_dict gives
@@ -59,10 +61,23 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
                     weight_decay=cfg.weight_decay, mask=decay_mask))
 
 
-def commit(tree) -> Any:
-    """Arrays placed explicitly on the default device. Step outputs are committed; inputs must
-    be too, or the second step compiles a second program."""
-    return jax.device_put(tree, jax.devices()[0])
+def commit(tree, mesh: Mesh | None = None) -> Any:
+    """Arrays placed explicitly on the default device (or replicated over `mesh`'s devices).
+    Step outputs are committed; inputs must be too, or the second step compiles a second
+    program."""
+    if mesh is None:
+        return jax.device_put(tree, jax.devices()[0])
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def data_mesh(num_devices: int | None = None) -> Mesh | None:
+    """A 1-D "data" mesh over the first `num_devices` devices (all by default) for data-parallel
+    steps; None for one device (the plain single-device step)."""
+    devices = jax.devices()
+    n = len(devices) if num_devices is None else num_devices
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"{n} devices asked for, {len(devices)} present")
+    return Mesh(np.array(devices[:n]), ("data",)) if n > 1 else None
 
 
 def global_norm(tree) -> Array:

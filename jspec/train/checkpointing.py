@@ -145,7 +145,8 @@ def resume(trainer, manager: CheckpointManager | None, expect: dict | None = Non
         if extra.get(key) != value:
             raise ValueError(f"{manager.dir}: checkpoint has {key} = {extra.get(key)!r}, this run "
                              f"{value!r}: not the same run (use another output directory)")
-    trainer.state = state
+    place = getattr(trainer, "place_state", None)  # e.g. replicated over a data-parallel mesh
+    trainer.state = place(state) if place else state
     return extra
 
 

@@ -106,6 +106,24 @@ def batch_source(arrays: dict[str, np.ndarray], batch_size: int, seed: int):
     return batch_at
 
 
+def interleaved_source(short_at, long_at, long_every: int):
+    """position -> batch from two sources: every `long_every`-th position is the next batch of
+    `long_at` (long rows), the others the next batches of `short_at`. Most steps take the
+    cheaper short rows (attention cost grows with the row length) while the model still trains
+    at the full context; a pure function of the position, so a resumed run is unchanged, and a
+    time-boxed run that stops early has seen both at the same proportion."""
+    if long_every < 1:
+        raise ValueError(f"long_every must be >= 1, got {long_every}")
+
+    def batch_at(position: int) -> dict[str, np.ndarray]:
+        cycle, k = divmod(position, long_every)
+        if k == long_every - 1:
+            return long_at(cycle)
+        return short_at(cycle * (long_every - 1) + k)
+
+    return batch_at
+
+
 # ---- drafter data: prompt + the target's own reply ----------------------------------------------
 
 def make_prompts(docs: Sequence[list[int]], num: int, min_len: int, max_len: int, seed: int

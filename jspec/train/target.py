@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.qwen3 import Qwen3, causal_attention
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 from jspec.train import (ModuleBinder, OptimConfig, TrainState, cast_floats, commit, global_norm,
                          make_optimizer, run_layers, sum_over_row_chunks)
 
@@ -96,6 +98,24 @@ def _train_step(binder, optim_cfg, cfg, params, opt_state, tokens_bt, bias_v):
     return jax.tree.map(jnp.add, params, updates), opt_state, metrics
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
+def _train_step_dp(binder, optim_cfg, cfg, mesh, params, opt_state, tokens_bt, bias_v):
+    """The same step, data-parallel: each device takes its slice of the rows, the gradients and
+    metrics are averaged over the mesh (every row has the same number of scored tokens, so the
+    mean of the slices' means is the batch mean), and the replicated update runs on every
+    device."""
+    def local(params, tokens_bt, bias_v):
+        grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binder, cfg, params, tokens_bt, bias_v)
+        return jax.lax.pmean((grads, metrics), "data")
+
+    # check_vma off: the gradient is averaged explicitly above, not by an implied psum.
+    grads, metrics = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P(),
+                                   check_vma=False)(params, tokens_bt, bias_v)
+    updates, opt_state = make_optimizer(optim_cfg).update(grads, opt_state, params)
+    metrics["grad_norm"] = global_norm(grads)
+    return jax.tree.map(jnp.add, params, updates), opt_state, metrics
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _eval_step(binder, cfg, params, tokens_bt, bias_v):
     return _loss(binder, cfg, params, tokens_bt, bias_v)[1]
@@ -105,24 +125,41 @@ class TargetTrainer:
     """Pre-trains `model` (its arrays, in fp32, become the masters). `train_step(batch)` with
     batch {"tokens": [B, T] int32}; `eval_loss(rows)` for held-out rows. Steps are jitted once
     per (shapes, configs) and shared by trainers of the same shapes. `logit_bias` [V]: added to
-    the logits (a compact vocabulary's log multiplicities); zeros by default."""
+    the logits (a compact vocabulary's log multiplicities); zeros by default. `mesh` (a 1-D
+    "data" mesh, jspec.train.data_mesh): data-parallel steps over its devices, the masters
+    replicated; every batch's rows must divide evenly over them."""
 
     def __init__(self, model: Qwen3, optim: OptimConfig, cfg: TargetTrainConfig = TargetTrainConfig(),
-                 seed: int = 0, logit_bias: np.ndarray | None = None):
-        self.cfg, self.optim_cfg = cfg, optim
+                 seed: int = 0, logit_bias: np.ndarray | None = None, mesh: Mesh | None = None):
+        self.cfg, self.optim_cfg, self.mesh = cfg, optim, mesh
         V = model.cfg.vocab_size
         self.logit_bias = commit(jnp.zeros((V,), jnp.float32) if logit_bias is None
-                                 else jnp.asarray(logit_bias, jnp.float32).reshape(V))
+                                 else jnp.asarray(logit_bias, jnp.float32).reshape(V), mesh)
         self.binder = ModuleBinder(model)
-        params = commit(cast_floats(self.binder.params(model), jnp.float32))
-        self.state = TrainState(params=params, opt_state=commit(make_optimizer(optim).init(params)), step=0,
-                                data_position=0, rng=commit(jax.random.PRNGKey(seed)))
+        params = commit(cast_floats(self.binder.params(model), jnp.float32), mesh)
+        self.state = TrainState(params=params, opt_state=commit(make_optimizer(optim).init(params), mesh),
+                                step=0, data_position=0, rng=commit(jax.random.PRNGKey(seed), mesh))
+
+    def place_state(self, state: TrainState) -> TrainState:
+        """A restored state placed as this trainer's steps expect it (replicated over the mesh)."""
+        if self.mesh is None:
+            return state
+        return TrainState(params=commit(state.params, self.mesh), opt_state=commit(state.opt_state, self.mesh),
+                          step=state.step, data_position=state.data_position, rng=commit(state.rng, self.mesh))
 
     def train_step(self, batch: dict) -> dict:
         s = self.state
-        s.params, s.opt_state, metrics = _train_step(self.binder, self.optim_cfg, self.cfg, s.params,
-                                                     s.opt_state, jnp.asarray(batch["tokens"]),
-                                                     self.logit_bias)
+        if self.mesh is None:
+            s.params, s.opt_state, metrics = _train_step(self.binder, self.optim_cfg, self.cfg, s.params,
+                                                         s.opt_state, jnp.asarray(batch["tokens"]),
+                                                         self.logit_bias)
+        else:
+            rows = len(batch["tokens"])
+            if rows % self.mesh.size:
+                raise ValueError(f"a batch of {rows} rows does not divide over {self.mesh.size} devices")
+            tokens_bt = jax.device_put(np.asarray(batch["tokens"]), NamedSharding(self.mesh, P("data")))
+            s.params, s.opt_state, metrics = _train_step_dp(self.binder, self.optim_cfg, self.cfg, self.mesh,
+                                                            s.params, s.opt_state, tokens_bt, self.logit_bias)
         s.step += 1
         s.data_position += 1
         return metrics
