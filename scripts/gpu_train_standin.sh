@@ -30,7 +30,7 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --prompts 4096 --eval-prompts 64 --prompt-min 64 --prompt-max 1024 --reply-tokens 512
         --reply-lanes 256 --reply-t1
         --draft-seq-len 2048 --draft-layers 2 --block-size 7 --anchors 512 --markov-rank 32
-        --draft-batch 8 --draft-steps ${DRAFT_STEPS:-1700} --draft-lr 1.5e-3
+        --draft-batch 8 --draft-steps ${DRAFT_STEPS:-5000} --draft-lr 1.5e-3
         --draft-minutes ${DRAFT_MINUTES:-4.5}
         --compute-dtype bfloat16 --export-dtype float32 --attn cudnn --no-remat --ckpt-every 1000
         --log-every 20 --quiet)
