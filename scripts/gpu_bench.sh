@@ -34,10 +34,23 @@
 # comes back even if a later command fails. If the machine is handed back between commands,
 # start again from `graft`.
 #
+# Side by side on a machine of several GPUs (nvidia-h200-x2): JOBS lists one job per GPU, each
+# SAMPLING:STAGE[,STAGE...]; job i runs on GPU i into $BENCH_ROOT/<sampling>/gpu<i>. After the
+# jobs, each sampling's parts from every GPU are merged into $BENCH_ROOT/<sampling>/merged
+# (`jspec bench --workloads none --merge-parts ...`: one record) and come back as
+# $OUT/bench-<sampling>.tgz, with each job's log. The three samplings in three calls:
+#   JOBS="t1:solo greedy:solo" bash scripts/gpu_bench.sh graft
+#   JOBS="t1:team,busy greedy:team,busy" bash scripts/gpu_bench.sh
+#   JOBS="qwen:solo,peer qwen:team,busy" bash scripts/gpu_bench.sh   # one sampling on two GPUs
+# (peer with qwen measures the transformers peer once: its tokens/s do not depend on the sampling
+# of the jspec engines beside it, but the record keeps it with the run it came with.)
+# The GPUs share the host's CPUs: each process drives its own GPU, so the timings should not
+# interfere much, but that is assumed, not measured.
+#
 # Environment (defaults in brackets):
 #   STANDIN_TARGET [standin], STANDIN_DRAFT [standin-dspark]   the small stand-in files
 #   GRAFT [/tmp/graft]          graft output: $GRAFT/target, $GRAFT/dspark
-#   BENCH_DIR [/tmp/jspec-bench]
+#   BENCH_DIR [/tmp/jspec-bench]   (JOBS: BENCH_ROOT [/tmp/jspec-benches])
 #   GRAFT_ARGS []               extra graft options ("--check": S vs the 8B graft's logits on the GPU)
 #   SAMPLING [t1]               t1 | greedy | qwen
 #   BENCH_ARGS []               extra `jspec bench` options (e.g. "--attn-impl triton")
@@ -70,8 +83,15 @@ if [ -z "${JSPEC_PROMPTS_DIR:-}" ]; then
 fi
 
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(all)
-[ "${stages[*]}" = "all" ] && stages=(graft solo team busy peer)
+if [ -n "${JOBS:-}" ]; then
+  for stage in "${stages[@]}"; do
+    [ "$stage" = graft ] || { echo "gpu_bench: with JOBS only 'graft' may be given as a stage" >&2; exit 2; }
+  done
+else
+  [ ${#stages[@]} -eq 0 ] && stages=(all)
+  [ "${stages[*]}" = "all" ] && stages=(graft solo team busy peer)
+fi
+BENCH_ROOT=${BENCH_ROOT:-/tmp/jspec-benches}
 
 bench() {  # bench WORKLOADS [options]
   local t0=$SECONDS
@@ -103,5 +123,53 @@ for stage in "${stages[@]}"; do
     *) echo "gpu_bench: unknown stage $stage (graft | solo | team | busy | peer | all)" >&2; exit 2 ;;
   esac
 done
+
+run_job() {  # run_job GPU SAMPLING STAGE[,STAGE...]: one bench after another on one GPU
+  local gpu=$1 sampling=$2 stage t0 wl
+  IFS=, read -ra job_stages <<< "$3"
+  for stage in "${job_stages[@]}"; do
+    case "$stage" in
+      solo) wl=(solo --peer off) ;;
+      team|busy|peer) wl=("$stage") ;;
+      *) echo "gpu_bench: unknown stage $stage in JOBS (solo | team | busy | peer)" >&2; return 2 ;;
+    esac
+    t0=$SECONDS
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m jspec.bench.run --model "$GRAFT/target" --draft "$GRAFT/dspark" \
+      --out "$BENCH_ROOT/$sampling/gpu$gpu" --sampling "$sampling" --workloads "${wl[@]}" $BENCH_ARGS || return 1
+    echo "gpu_bench: $sampling $stage on GPU $gpu took $((SECONDS - t0)) s"
+  done
+}
+
+if [ -n "${JOBS:-}" ]; then
+  read -ra jobs <<< "$JOBS"
+  gpus=$(nvidia-smi --list-gpus | wc -l)
+  if [ ${#jobs[@]} -gt "$gpus" ]; then
+    echo "gpu_bench: ${#jobs[@]} jobs for $gpus GPUs" >&2
+    exit 2
+  fi
+  pids=()
+  samplings=()
+  for i in "${!jobs[@]}"; do
+    sampling=${jobs[$i]%%:*}
+    [[ " ${samplings[*]} " == *" $sampling "* ]] || samplings+=("$sampling")
+    run_job "$i" "$sampling" "${jobs[$i]#*:}" > "$OUT/job$i-$sampling.log" 2>&1 &
+    pids+=($!)
+  done
+  failed=0
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  for sampling in "${samplings[@]}"; do
+    merge=()
+    for d in "$BENCH_ROOT/$sampling"/gpu*; do [ -d "$d/parts" ] && merge+=(--merge-parts "$d"); done
+    # shellcheck disable=SC2086
+    python3 -m jspec.bench.run --model "$GRAFT/target" --draft "$GRAFT/dspark" --no-progress \
+      --out "$BENCH_ROOT/$sampling/merged" --sampling "$sampling" --workloads none "${merge[@]}" $BENCH_ARGS \
+      > "$OUT/merge-$sampling.log" 2>&1 || failed=1
+    tar czf "$OUT/bench-$sampling.tgz" -C "$BENCH_ROOT/$sampling" . 2>/dev/null
+    [ -f "$BENCH_ROOT/$sampling/merged/bench.md" ] && cat "$BENCH_ROOT/$sampling/merged/bench.md"
+  done
+  tail -n 4 "$OUT"/job*.log
+  exit $failed
+fi
 [ -f "$BENCH_DIR/bench.md" ] && cat "$BENCH_DIR/bench.md"
 exit 0

@@ -11,6 +11,10 @@
 #   python scripts/standin_transfer.py load --src <files_at>/xfer_target --out out/standin_raw
 # The corpus is the Python sources of the machine's standard library and site-packages (a seeded
 # random 300 MB subset, deduplicated by content); its manifest comes back as manifest.json.gz.
+# Step counts are set so that the cosine schedules end at the time boxes on nvidia-h200-x2, as
+# measured on 2026-12-01 (docs/benchmarks.md): S 7.3 steps/s (3018 steps in the 412 s its deadline
+# left), the drafters 8.5 (DSpark) and 9.3 (DFlash) steps/s. On one GPU, S makes about half as
+# many steps in the same time: set TARGET_STEPS=1500 there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -25,12 +29,12 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --compact-rows 24576 --chat-tasks 60000
         --hidden 256 --layers 12 --heads 8 --kv-heads 2 --head-dim 128 --ffn 1024
         --seq-len 4096 --short-seq-len ${SHORT_SEQ:-1024} --long-every 5 --batch ${TARGET_BATCH:-32}
-        --target-steps ${TARGET_STEPS:-5000} --target-lr ${TARGET_LR:-2e-3}
+        --target-steps ${TARGET_STEPS:-3000} --target-lr ${TARGET_LR:-2e-3}
         --eval-every 1000 --eval-rows 64
         --prompts 4096 --eval-prompts 64 --prompt-min 64 --prompt-max 1024 --reply-tokens 512
         --reply-lanes 256 --reply-t1
         --draft-seq-len 2048 --draft-layers 2 --block-size 7 --anchors 512 --markov-rank 32
-        --draft-batch 8 --draft-steps ${DRAFT_STEPS:-5000} --draft-lr 1.5e-3
+        --draft-batch 8 --draft-steps ${DRAFT_STEPS:-3000} --draft-lr 1.5e-3
         --draft-minutes ${DRAFT_MINUTES:-4.5}
         --compute-dtype bfloat16 --export-dtype float32 --attn cudnn --no-remat --ckpt-every 1000
         --log-every 20 --quiet)

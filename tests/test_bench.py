@@ -233,6 +233,33 @@ def test_bench_quick_end_to_end(bench_pair, tmp_path, capsys):
     assert rec["peer"]["status"] == "skipped"
     assert "SpecScore: null" in capsys.readouterr().out
 
+    # The same run split over two --out directories (as on two GPUs) merges into one record.
+    import shutil
+    halves = {"a": ("solo", "peer"), "b": ("team", "busy")}
+    for name, parts in halves.items():
+        (tmp_path / name / "parts").mkdir(parents=True)
+        for part in parts:
+            shutil.copy(out / "parts" / f"{part}.json", tmp_path / name / "parts")
+    other = json.loads((out / "parts" / "busy.json").read_text())
+    other["key"] = {**other["key"], "sampling": "greedy"}  # another run's part: must stay out
+    (tmp_path / "c" / "parts").mkdir(parents=True)
+    (tmp_path / "c" / "parts" / "busy.json").write_text(json.dumps(other))
+    merged = tmp_path / "merged"
+    args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
+                              "--out", str(merged), "--quick", "--no-progress", "--workloads", "none",
+                              "--merge-parts", str(tmp_path / "a"), "--merge-parts", str(tmp_path / "b"),
+                              "--merge-parts", str(tmp_path / "c")])
+    assert args.func(args) == 0
+    assert "belongs to another run" in capsys.readouterr().err
+    again = json.loads((merged / "bench.json").read_text())
+    for key in ("ratios", "acceptance", "efficiency", "tokens_per_s", "likelihood", "argmax",
+                "fidelity", "lengths", "greedy_agreement", "gates", "specscore", "reason"):
+        assert again[key] == rec[key], key
+    with pytest.raises(ValueError, match="none, with --merge-parts"):
+        args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
+                                  "--out", str(merged), "--quick", "--workloads", "none"])
+        args.func(args)
+
 
 def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tmp_path):
     """Qwen3's defaults (top-k 20, top-p 0.8) take the sampler's filtering variant in both

@@ -91,6 +91,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="target dtype (default: the checkpoint's)")
     p.add_argument("--fresh", action="store_true", help="delete earlier parts in --out first")
+    p.add_argument("--merge-parts", action="append", default=[], metavar="DIR",
+                   help="copy into --out the parts in DIR/parts that belong to this run (same model, "
+                   "drafter, sampling, knobs, commit): a run split over several GPUs, each with "
+                   "its own --out, becomes one record (repeatable; a later DIR's part replaces the "
+                   "same part from an earlier one). With --workloads none: only merge and assemble")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_bench)
     return p
@@ -120,8 +125,12 @@ def command_line(args) -> str:
 def cmd_bench(args) -> int:
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = [w for w in names if w not in (*W.WORKLOAD_ORDER, "peer")]
-    if bad or not names:
-        raise ValueError(f"--workloads: unknown {bad or 'empty'}; choose from solo, team, busy, peer")
+    merge_only = names == ["none"] and bool(args.merge_parts)
+    if merge_only:
+        names, bad = [], []
+    if bad or not (names or merge_only):
+        raise ValueError(f"--workloads: unknown {bad or 'empty'}; choose from solo, team, busy, peer "
+                         f"(or none, with --merge-parts)")
     for flag in ("page_size", "prefill_chunk", "stock_decode_steps", "spec_decode_steps"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -224,6 +233,21 @@ class Bench:
                     "draft_kv_dtype": args.draft_kv_dtype}
         self.git = {"commit": commit, "dirty": dirty}
         self.env = None
+        for src in getattr(args, "merge_parts", None) or []:
+            self.merge_parts(Path(src))
+
+    def merge_parts(self, src: Path) -> None:
+        """The parts under SRC/parts that belong to this run, copied into OUT/parts; a part of
+        another run is left out, and said so."""
+        files = sorted((src / "parts").glob("*.json"))
+        if not files:
+            raise ValueError(f"--merge-parts {src}: no parts/*.json there")
+        for f in files:
+            part = json.loads(f.read_text())
+            if part.get("key") != self.key:
+                print(f"--merge-parts: {f} belongs to another run, not merged", file=sys.stderr)
+                continue
+            self.write_part(part["part"], part)
 
     # -- parts ---------------------------------------------------------------------------------
 
