@@ -69,6 +69,8 @@ case "${1:-}" in
       wait
       tail -n 8 "$OUT"/train_d*.log
     else
+      # one GPU: replies (~2.5 min), then each drafter in turn with its export and engine eval
+      EVAL+=(--draft-minutes $(python3 -c "print(max(1.0, ($(left) - 160 - 2 * 100) / 120))"))
       timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" "${EVAL[@]}" 2>&1 \
         | tee "$OUT/train_drafters.log"
     fi
