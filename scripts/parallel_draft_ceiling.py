@@ -1,0 +1,131 @@
+"""How many tokens per verify step can a parallel (block) drafter reach on this target at T = 1?
+
+A block drafter proposes draft k without seeing drafts 1..k-1 (DFlash), or seeing only draft k-1
+(DSpark's Markov head). The best a DFlash-style drafter can do is propose, at every position k,
+the target's exact marginal q_k(v) = P(x_k = v | context), with x_1..x_{k-1} summed out. This
+script estimates the tokens per verify step of that ideal drafter on contexts from the benchmark
+prompts, by Monte Carlo with the target alone:
+
+  1. context: a benchmark prompt (chat template) + the first `cut` tokens of the target's own
+     T = 1 reply to it;
+  2. q_k: the mixture of the target's conditionals p(. | context, x_<k) over M sampled
+     continuations x (an unbiased estimate of the marginal);
+  3. M' draft paths y with y_k ~ q_k independently, verified as speculative sampling does:
+     position k survives with prob. min(1, p(y_k | context, y_<k) / q_k(y_k)) once all before it
+     survived; tokens per verify step = 1 + E[surviving run] (the bonus token included).
+
+No drafter that sees no earlier draft can beat this on these contexts (up to the Monte Carlo
+error of q: a noisy q loses a little, so the estimate is slightly low). The target's entropy at
+the first drafted position is reported beside it: the wider the target's law at T = 1, the lower
+the ceiling.
+
+  python scripts/parallel_draft_ceiling.py --prompts-dir ../shared/data/prompts --out ceiling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="standin", help="target directory or stand-in name")
+    ap.add_argument("--prompts-dir", required=True, help="directory with humaneval.jsonl and mbpp.jsonl")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    ap.add_argument("--cuts", default="0,48,96", help="reply tokens before each context ends")
+    ap.add_argument("--samples", type=int, default=32, help="continuations for q (M) and draft paths (M')")
+    ap.add_argument("--block", type=int, default=7, help="drafted tokens per step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jspec.api import LLM, SamplingParams
+    from jspec.loading import check_model_dir, load_model
+    from jspec.prompts import load_prompts
+    from jspec.qwen3 import causal_attention
+    from jspec.tokenizer import Tokenizer
+
+    model_dir = check_model_dir(args.model)
+    tok = Tokenizer.from_dir(model_dir)
+    texts = [r.first_turn for s in ("humaneval", "mbpp")
+             for r in load_prompts(Path(args.prompts_dir) / f"{s}.jsonl", limit=args.prompts)]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    cuts = sorted(int(c) for c in args.cuts.split(","))
+    K, M = args.block, args.samples
+    max_ctx = -(-(max(map(len, prompts)) + cuts[-1] + K + 16) // 64) * 64
+    llm = LLM(model_dir, dtype="float32", max_lanes=M, max_context=max_ctx)
+    _, model = load_model(model_dir, dtype="float32")
+    attention = causal_attention()
+    graphdef, state = nnx.split(model)  # weights as arguments: closed over, XLA would fold them
+
+    @jax.jit
+    def laws(state, tokens_bt):
+        m = nnx.merge(graphdef, state)
+        T = tokens_bt.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_bt.shape)
+        hidden, _, _ = m(tokens_bt, positions, attention=attention)
+        return jax.nn.softmax(m.logits(hidden[:, -(K + 1):]).astype(jnp.float32), axis=-1)
+
+    def next_laws(tokens_bt):
+        """p(. | tokens[:t]) for the last K + 1 positions t (fp32 probabilities [B, K + 1, V])."""
+        return laws(state, tokens_bt)
+
+    rng = np.random.default_rng(args.seed)
+    replies = llm.generate(prompts, [SamplingParams(temperature=1.0, seed=args.seed * 1000 + i,
+                                                    max_tokens=cuts[-1] + 1) for i in range(len(prompts))])
+    rows = []
+    t0 = time.time()
+    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+        for cut in cuts:
+            if cut > len(reply.token_ids) - 1:
+                continue  # the reply ended before this cut
+            ctx = list(prompt) + list(reply.token_ids[:cut])
+            xs = llm.generate([ctx] * M, [SamplingParams(temperature=1.0, seed=10**6 + 7919 * i + 131 * cut + m,
+                                                         max_tokens=K, ignore_eos=True) for m in range(M)])
+            x_mk = np.array([r.token_ids for r in xs], np.int64)  # [M, K]
+            ctx_m = np.broadcast_to(np.asarray(ctx, np.int64), (M, len(ctx)))
+            # laws[:, k] = p(. | ctx, x_<=k-1... ): position k of the block is index k (k = 0 .. K-1)
+            p_x = np.asarray(next_laws(jnp.asarray(np.concatenate([ctx_m, x_mk], 1), jnp.int32)))[:, :K]
+            q_kv = p_x.mean(axis=0)  # [K, V]: the marginals, as a mixture over the M continuations
+            y_mk = np.stack([rng.choice(q_kv.shape[1], size=M, p=q_kv[k] / q_kv[k].sum()) for k in range(K)], 1)
+            p_y = np.asarray(next_laws(jnp.asarray(np.concatenate([ctx_m, y_mk], 1), jnp.int32)))[:, :K]
+            p_at = np.take_along_axis(p_y, y_mk[:, :, None], axis=2)[:, :, 0]   # p(y_k | ctx, y_<k)
+            q_at = q_kv[np.arange(K)[None, :], y_mk]                              # q_k(y_k)
+            survive = np.cumprod(np.minimum(1.0, p_at / q_at), axis=1)            # [M', K]
+            p0 = p_x[0, 0]
+            entropy = float(-(p0[p0 > 0] * np.log(p0[p0 > 0])).sum())
+            rows.append({"prompt": i, "cut": cut, "context_tokens": len(ctx),
+                         "tokens_per_step": 1.0 + float(survive.sum(1).mean()),
+                         "survive_per_position": survive.mean(0).round(4).tolist(),
+                         "entropy_first_position_nats": entropy})
+            print(f"prompt {i:2d} cut {cut:3d}: ideal parallel tau {rows[-1]['tokens_per_step']:.3f}, "
+                  f"entropy at the first position {entropy:.2f} nats ({time.time() - t0:.0f} s)", flush=True)
+    taus = np.array([r["tokens_per_step"] for r in rows])
+    result = {"model": str(args.model), "temperature": 1.0, "block": K, "samples": M, "cuts": cuts,
+              "contexts": len(rows), "ideal_parallel_tokens_per_step_mean": float(taus.mean()),
+              "ideal_parallel_tokens_per_step_se": float(taus.std(ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None,
+              "survive_per_position_mean": np.mean([r["survive_per_position"] for r in rows], 0).round(4).tolist(),
+              "entropy_first_position_mean": float(np.mean([r["entropy_first_position_nats"] for r in rows])),
+              "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"ideal parallel drafter: {result['ideal_parallel_tokens_per_step_mean']:.3f} tokens per verify "
+          f"step (se {result['ideal_parallel_tokens_per_step_se']}) over {len(rows)} contexts; mean entropy "
+          f"at the first drafted position {result['entropy_first_position_mean']:.2f} nats")
+    return result
+
+
+if __name__ == "__main__":
+    main()
