@@ -35,6 +35,23 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def ideal_parallel_survival(p_x: np.ndarray, laws_along, rng: np.random.Generator) -> np.ndarray:
+    """[M', K] survival of the ideal parallel drafter's draft positions along M' draft paths.
+
+    p_x [M, K, V]: the target's law of x_k given the context and x_<k, along M continuations x
+    the target sampled; their mean over the M continuations is the marginal q_k (the drafter).
+    laws_along(paths [M', K]) -> [M', K, V]: the target's law along other paths. Draft paths
+    y_k ~ q_k (independently, as a drafter that sees no earlier draft proposes them) are
+    verified as speculative sampling does: position k survives with probability
+    prod_{j <= k} min(1, p(y_j | y_<j) / q_j(y_j)). Tokens per verify step = 1 + E[sum of row]."""
+    M, K, V = p_x.shape
+    q_kv = p_x.mean(axis=0)
+    y_mk = np.stack([rng.choice(V, size=M, p=q_kv[k] / q_kv[k].sum()) for k in range(K)], 1)
+    p_at = np.take_along_axis(laws_along(y_mk), y_mk[:, :, None], axis=2)[:, :, 0]  # p(y_k | y_<k)
+    q_at = q_kv[np.arange(K)[None, :], y_mk]                                          # q_k(y_k)
+    return np.cumprod(np.minimum(1.0, p_at / q_at), axis=1)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="standin", help="target directory or stand-in name")
@@ -96,14 +113,10 @@ def main(argv=None) -> dict:
                                                          max_tokens=K, ignore_eos=True) for m in range(M)])
             x_mk = np.array([r.token_ids for r in xs], np.int64)  # [M, K]
             ctx_m = np.broadcast_to(np.asarray(ctx, np.int64), (M, len(ctx)))
-            # laws[:, k] = p(. | ctx, x_<=k-1... ): position k of the block is index k (k = 0 .. K-1)
-            p_x = np.asarray(next_laws(jnp.asarray(np.concatenate([ctx_m, x_mk], 1), jnp.int32)))[:, :K]
-            q_kv = p_x.mean(axis=0)  # [K, V]: the marginals, as a mixture over the M continuations
-            y_mk = np.stack([rng.choice(q_kv.shape[1], size=M, p=q_kv[k] / q_kv[k].sum()) for k in range(K)], 1)
-            p_y = np.asarray(next_laws(jnp.asarray(np.concatenate([ctx_m, y_mk], 1), jnp.int32)))[:, :K]
-            p_at = np.take_along_axis(p_y, y_mk[:, :, None], axis=2)[:, :, 0]   # p(y_k | ctx, y_<k)
-            q_at = q_kv[np.arange(K)[None, :], y_mk]                              # q_k(y_k)
-            survive = np.cumprod(np.minimum(1.0, p_at / q_at), axis=1)            # [M', K]
+            laws_along = lambda paths: np.asarray(next_laws(jnp.asarray(
+                np.concatenate([ctx_m, paths], 1), jnp.int32)))[:, :K]
+            p_x = laws_along(x_mk)
+            survive = ideal_parallel_survival(p_x, laws_along, rng)
             p0 = p_x[0, 0]
             entropy = float(-(p0[p0 > 0] * np.log(p0[p0 > 0])).sum())
             rows.append({"prompt": i, "cut": cut, "context_tokens": len(ctx),
