@@ -7,6 +7,10 @@
 # With two or more GPUs the replies are sampled by two processes (T 0.7 / top-p / top-k on one,
 # T 1.0 and the held-out greedy set on the other) and the two drafters train side by side, one per
 # GPU, each evaluated through the engine afterwards; with one GPU everything runs in turn.
+# CONTINUE=1 (both calls): keep the shipped S (its compact directory becomes $W/target, so the
+# target call only gathers the corpus and the prompts) and start both drafters from the shipped
+# ones: drafter training accumulates over sessions. The corpus must give S's vocabulary again
+# (the same manifest); the run stops with a named error otherwise.
 # Each call writes int8 transfer shards and logs under $OUT; locally:
 #   python scripts/standin_transfer.py load --src <files_at>/xfer_target --out out/standin_raw
 # The corpus is the Python sources of the machine's standard library and site-packages (a seeded
@@ -42,6 +46,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 left() { echo $((START + LIMIT - $(date +%s))); }
 case "${1:-}" in
   target)
+    if [ "${CONTINUE:-0}" = 1 ] && [ ! -f "$W/target/config.json" ]; then
+      mkdir -p "$W" && cp -r "$(python3 -m jspec.standin path standin --compact)" "$W/target"
+    fi
     # S stops training in time for its export, the prompts and the transfer (about 70 s).
     timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" --only-target \
       --target-until $((START + LIMIT - ${TAIL_S:-75})) 2>&1 | tee "$OUT/train_target.log"
@@ -53,6 +60,11 @@ case "${1:-}" in
   drafters)
     [ -f "$W/target/config.json" ] || { echo "no $W/target: run the target phase first (same machine)"; exit 2; }
     EVAL=(--eval-prompts-dir out/prompts --eval-limit ${EVAL_LIMIT:-100} --eval-max-tokens 256)
+    if [ "${CONTINUE:-0}" = 1 ]; then
+      for d in dspark dflash; do
+        EVAL+=(--init-drafter "$d=$(python3 -m jspec.standin path standin-$d --compact)")
+      done
+    fi
     if [ "$GPUS" -ge 2 ]; then
       CUDA_VISIBLE_DEVICES=0 python3 scripts/train_standin.py "${COMMON[@]}" --stop-after-replies \
         --reply-sets train > "$OUT/replies_0.log" 2>&1 &

@@ -123,6 +123,11 @@ def parse_args(argv=None):
     g.add_argument("--draft-steps", type=int, default=3000)
     g.add_argument("--draft-lr", type=float, default=6e-4)
     g.add_argument("--skip-dflash", action="store_true")
+    g.add_argument("--init-drafter", action="append", default=[], metavar="NAME=DIR",
+                   help="start drafter NAME (dspark / dflash) from the weights in DIR (a drafter of "
+                        "these shapes for this S, e.g. the shipped one: python -m jspec.standin path "
+                        "standin-dspark --compact) instead of a random init: training accumulates "
+                        "over runs (repeatable)")
     g.add_argument("--only-drafter", choices=["dspark", "dflash"],
                    help="train and evaluate this drafter alone (the two run side by side, one per GPU; "
                         "summary_<name>.json and engine_eval_<name>.json)")
@@ -422,8 +427,10 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     if (export / "config.json").is_file():
         log(f"{name}: {export} exists, skipping")
         return None
+    init = dict(d.split("=", 1) for d in args.init_drafter).get(name)
+    drafter = init_random_drafter(dcfg, seed=args.seed + 1) if init is None else initial_drafter(init, dcfg, model)
     trainer = DrafterTrainer(
-        model, init_random_drafter(dcfg, seed=args.seed + 1), OptimConfig(args.draft_steps, lr=args.draft_lr),
+        model, drafter, OptimConfig(args.draft_steps, lr=args.draft_lr),
         DrafterTrainConfig(num_anchors=args.anchors, loss=loss_cfg, compute_dtype=args.compute_dtype,
                            target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
@@ -431,7 +438,8 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     evaluate = lambda: trainer.evaluate(held, eval_batch)
     before = evaluate()
     manager = CheckpointManager(out / "ckpt" / name)
-    run_id = {"corpus_sha256": args.corpus_sha256, "reply_tokens": int(train["loss_mask"].sum())}
+    run_id = {"corpus_sha256": args.corpus_sha256, "reply_tokens": int(train["loss_mask"].sum()),
+              "init": init}
     if resume(trainer, manager, expect=run_id) is not None:
         log(f"{name}: resumed at step {trainer.state.step}")
     loss_log = LossLog(out / "logs" / f"{name}.jsonl", resume_step=trainer.state.step or None)
@@ -449,6 +457,21 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     export_drafter(trainer.drafter(), None if vocab is not None else model, export, dtype=args.export_dtype)
     log(f"{name}: exported to {export}")
     return {"untrained": before, "trained": after, "steps": trainer.state.step}
+
+
+def initial_drafter(path: str, dcfg, model):
+    """A trained drafter to start from: refused unless every weight has this run's shape and its
+    mask token and taps are this run's."""
+    from jspec.dspark import drafter_checkpoint_shapes
+    from jspec.loading import load_drafter
+    cfg, drafter = load_drafter(path, model.cfg, None)
+    want = {k: shape for k, (shape, _) in drafter_checkpoint_shapes(dcfg).items()}
+    have = {k: shape for k, (shape, _) in drafter_checkpoint_shapes(cfg).items()}
+    if want != have or (cfg.mask_token_id, tuple(cfg.target_layer_ids)) != (dcfg.mask_token_id,
+                                                                            tuple(dcfg.target_layer_ids)):
+        raise SystemExit(f"--init-drafter {path}: not a drafter of this run's shapes, mask token and taps")
+    log(f"drafter initialised from {path}")
+    return drafter
 
 
 def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Path], path: Path) -> dict:
@@ -516,6 +539,12 @@ def main(argv=None):
     full_sep = args.sep_id
     if args.compact_rows:
         vocab = build_compact_vocab(train_docs, args.compact_rows)
+        given = out / "target" / "config.json"
+        if given.is_file():  # S is given (e.g. the shipped one, to train drafters on): same rows?
+            hf = json.loads(given.read_text())
+            if any(hf.get(k) != v for k, v in json.loads(json.dumps(vocab.hf_keys())).items()):
+                raise SystemExit(f"{given}: S's compact vocabulary is not the one this corpus gives "
+                                 f"(another corpus or --compact-rows): its rows would be misread")
         log(f"compact vocabulary: {vocab.rows} rows, training coverage {coverage(vocab, train_docs):.4f}, "
             f"held-out {coverage(vocab, held_docs):.4f}")
         vocab_size, mask_id, args.sep_id = vocab.rows, vocab.mask_row, int(vocab.to_rows([args.sep_id])[0])

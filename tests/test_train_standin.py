@@ -49,7 +49,7 @@ def trained(tmp_path_factory):
     # the reply sets as two processes would sample them side by side (one per GPU)
     ts.main(common + ["--stop-after-replies", "--reply-sets", "train_t1"])
     ts.main(common + ["--only-drafter", "dspark"])
-    return out, first
+    return out, first, common
 
 
 def json_module_dir():
@@ -58,7 +58,7 @@ def json_module_dir():
 
 
 def test_calls_resume_from_s_and_its_prompts_then_replies_then_one_drafter(trained):
-    out, first = trained
+    out, first, _ = trained
     assert {"manifest.json", "target", "data"} <= first and "dspark" not in first
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["file_count"] == 5 and len(manifest["sha256"]) == 64
@@ -81,7 +81,7 @@ def test_calls_resume_from_s_and_its_prompts_then_replies_then_one_drafter(train
 
 
 def test_transfer_round_trip_is_int8_rows_times_bf16_scales(trained, tmp_path):
-    out, _ = trained
+    out, _, _ = trained
     tr = _script("standin_transfer")
     tr.save({"target": out / "target", "dspark": out / "dspark"}, tmp_path / "x", max_mib=0.05)
     assert len(list((tmp_path / "x").glob("xfer-*.npz"))) > 2  # sharded under the size cap
@@ -100,3 +100,60 @@ def test_transfer_round_trip_is_int8_rows_times_bf16_scales(trained, tmp_path):
             else:
                 np.testing.assert_array_equal(b[k], w.astype(ml_dtypes.bfloat16).astype(np.float32))
         assert (tmp_path / "back" / name / "config.json").read_text() == (out / name / "config.json").read_text()
+
+
+def test_a_drafter_continues_from_given_weights(trained, tmp_path):
+    """--init-drafter: a later run starts from a trained drafter (here at a vanishing learning
+    rate, so what it exports is what it started from); a drafter of other shapes is refused."""
+    import shutil
+
+    from safetensors.numpy import load_file
+    out, _, common = trained
+    out2 = tmp_path / "run2"
+    out2.mkdir()
+    for name in ("target", "data"):
+        shutil.copytree(out / name, out2 / name)
+    shutil.copy(out / "manifest.json", out2 / "manifest.json")
+    argv = [a if a != str(out) else str(out2) for a in common]
+    ts = _script("train_standin")
+    with pytest.raises(SystemExit, match="not a drafter of this run's shapes"):
+        ts.main(argv + ["--only-drafter", "dspark", "--init-drafter", f"dspark={out / 'dspark'}",
+                        "--markov-rank", "8"])  # the given drafter's Markov head has rank 4
+    ts.main(argv + ["--only-drafter", "dspark", "--init-drafter", f"dspark={out / 'dspark'}",
+                    "--draft-lr", "1e-12"])
+    before, after = load_file(out / "dspark" / "model.safetensors"), load_file(out2 / "dspark" / "model.safetensors")
+    assert before.keys() == after.keys()
+    for k in before:
+        np.testing.assert_allclose(after[k], before[k], atol=1e-6, err_msg=k)
+    # ... and not what a fresh start would have given
+    fresh = tmp_path / "run3"
+    shutil.copytree(out2, fresh, ignore=shutil.ignore_patterns("dspark", "ckpt", "logs", "full", "summary*"))
+    ts.main([a if a != str(out) else str(fresh) for a in common] + ["--only-drafter", "dspark", "--draft-lr", "1e-12"])
+    other = load_file(fresh / "dspark" / "model.safetensors")
+    moved = max(float(np.abs(other[k] - before[k]).max()) for k in before)
+    assert moved > 1e-4, moved  # three toy training steps moved the given drafter this far
+
+
+def test_a_given_s_is_kept_and_its_vocabulary_checked(trained, tmp_path):
+    """S placed in OUT/target beforehand (gpu_train_standin.sh CONTINUE=1) is not retrained, and
+    a corpus that gives another compact vocabulary is refused by name."""
+    import shutil
+    out, _, common = trained
+    corpus = Path(common[common.index("--corpus") + 1])
+    ts = _script("train_standin")
+    kept = tmp_path / "kept"
+    shutil.copytree(out / "target", kept / "target")
+    weights = (kept / "target" / "model.safetensors").read_bytes()
+    ts.main([a if a != str(out) else str(kept) for a in common] + ["--only-target"])
+    assert (kept / "target" / "model.safetensors").read_bytes() == weights  # not retrained
+    assert not (kept / "logs" / "target.jsonl").exists() and (kept / "data" / "prompts.jsonl").is_file()
+    other_corpus = tmp_path / "corpus2"
+    other_corpus.mkdir()
+    for f in sorted(corpus.iterdir())[:2]:  # a smaller corpus: other frequent ids
+        shutil.copy(f, other_corpus / f.name)
+    other = tmp_path / "other"
+    shutil.copytree(out / "target", other / "target")
+    argv = [a if a != str(out) else str(other) for a in common]
+    argv[argv.index("--corpus") + 1] = str(other_corpus)
+    with pytest.raises(SystemExit, match="compact vocabulary is not the one this corpus gives"):
+        ts.main(argv + ["--only-target"])
