@@ -93,14 +93,16 @@ else
 fi
 BENCH_ROOT=${BENCH_ROOT:-/tmp/jspec-benches}
 
-bench() {  # bench WORKLOADS [options]
+bench() {  # bench WORKLOADS [options], into $BENCH_DIR at $SAMPLING
   local t0=$SECONDS
   # shellcheck disable=SC2086
   python3 -m jspec.bench.run --model "$GRAFT/target" --draft "$GRAFT/dspark" --out "$BENCH_DIR" \
-    --sampling "$SAMPLING" --workloads "$@" $BENCH_ARGS
-  echo "gpu_bench: $1 took $((SECONDS - t0)) s"
-  mkdir -p "$OUT/bench"
-  cp -r "$BENCH_DIR"/. "$OUT/bench/"
+    --sampling "$SAMPLING" --workloads "$@" $BENCH_ARGS || return 1
+  echo "gpu_bench: $SAMPLING $1 took $((SECONDS - t0)) s"
+  if [ -z "${JOBS:-}" ]; then  # JOBS bring their records back as one tgz per sampling instead
+    mkdir -p "$OUT/bench"
+    cp -r "$BENCH_DIR"/. "$OUT/bench/"
+  fi
 }
 
 for stage in "${stages[@]}"; do
@@ -124,20 +126,16 @@ for stage in "${stages[@]}"; do
   esac
 done
 
-run_job() {  # run_job GPU SAMPLING STAGE[,STAGE...]: one bench after another on one GPU
-  local gpu=$1 sampling=$2 stage t0 wl
+run_job() {  # run_job GPU SAMPLING STAGE[,STAGE...]: one bench after another on one GPU (a subshell)
+  export CUDA_VISIBLE_DEVICES=$1
+  SAMPLING=$2 BENCH_DIR="$BENCH_ROOT/$2/gpu$1"
   IFS=, read -ra job_stages <<< "$3"
   for stage in "${job_stages[@]}"; do
     case "$stage" in
-      solo) wl=(solo --peer off) ;;
-      team|busy|peer) wl=("$stage") ;;
+      solo) bench solo --peer off || return 1 ;;
+      team|busy|peer) bench "$stage" || return 1 ;;
       *) echo "gpu_bench: unknown stage $stage in JOBS (solo | team | busy | peer)" >&2; return 2 ;;
     esac
-    t0=$SECONDS
-    # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES=$gpu python3 -m jspec.bench.run --model "$GRAFT/target" --draft "$GRAFT/dspark" \
-      --out "$BENCH_ROOT/$sampling/gpu$gpu" --sampling "$sampling" --workloads "${wl[@]}" $BENCH_ARGS || return 1
-    echo "gpu_bench: $sampling $stage on GPU $gpu took $((SECONDS - t0)) s"
   done
 }
 
@@ -161,9 +159,7 @@ if [ -n "${JOBS:-}" ]; then
   for sampling in "${samplings[@]}"; do
     merge=()
     for d in "$BENCH_ROOT/$sampling"/gpu*; do [ -d "$d/parts" ] && merge+=(--merge-parts "$d"); done
-    # shellcheck disable=SC2086
-    python3 -m jspec.bench.run --model "$GRAFT/target" --draft "$GRAFT/dspark" --no-progress \
-      --out "$BENCH_ROOT/$sampling/merged" --sampling "$sampling" --workloads none "${merge[@]}" $BENCH_ARGS \
+    (SAMPLING=$sampling BENCH_DIR="$BENCH_ROOT/$sampling/merged" bench none "${merge[@]}" --no-progress) \
       > "$OUT/merge-$sampling.log" 2>&1 || failed=1
     tar czf "$OUT/bench-$sampling.tgz" -C "$BENCH_ROOT/$sampling" . 2>/dev/null
     [ -f "$BENCH_ROOT/$sampling/merged/bench.md" ] && cat "$BENCH_ROOT/$sampling/merged/bench.md"

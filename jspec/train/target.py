@@ -14,10 +14,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jspec.qwen3 import Qwen3, causal_attention
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jspec.qwen3 import Qwen3, causal_attention
 from jspec.train import (ModuleBinder, OptimConfig, TrainState, cast_floats, commit, global_norm,
                          make_optimizer, run_layers, sum_over_row_chunks)
 
@@ -90,12 +89,16 @@ def _loss(binder, cfg, params, tokens_bt, bias_v):
     return lm_loss(binder.bind(cast_floats(params, cfg.compute_dtype)), tokens_bt, cfg, bias_v)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _train_step(binder, optim_cfg, cfg, params, opt_state, tokens_bt, bias_v):
-    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binder, cfg, params, tokens_bt, bias_v)
+def _apply(optim_cfg, params, opt_state, grads, metrics):
     updates, opt_state = make_optimizer(optim_cfg).update(grads, opt_state, params)
     metrics["grad_norm"] = global_norm(grads)
     return jax.tree.map(jnp.add, params, updates), opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _train_step(binder, optim_cfg, cfg, params, opt_state, tokens_bt, bias_v):
+    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binder, cfg, params, tokens_bt, bias_v)
+    return _apply(optim_cfg, params, opt_state, grads, metrics)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
@@ -111,9 +114,7 @@ def _train_step_dp(binder, optim_cfg, cfg, mesh, params, opt_state, tokens_bt, b
     # check_vma off: the gradient is averaged explicitly above, not by an implied psum.
     grads, metrics = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P(),
                                    check_vma=False)(params, tokens_bt, bias_v)
-    updates, opt_state = make_optimizer(optim_cfg).update(grads, opt_state, params)
-    metrics["grad_norm"] = global_norm(grads)
-    return jax.tree.map(jnp.add, params, updates), opt_state, metrics
+    return _apply(optim_cfg, params, opt_state, grads, metrics)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -144,8 +145,8 @@ class TargetTrainer:
         """A restored state placed as this trainer's steps expect it (replicated over the mesh)."""
         if self.mesh is None:
             return state
-        return TrainState(params=commit(state.params, self.mesh), opt_state=commit(state.opt_state, self.mesh),
-                          step=state.step, data_position=state.data_position, rng=commit(state.rng, self.mesh))
+        return dataclasses.replace(state, params=commit(state.params, self.mesh),
+                                   opt_state=commit(state.opt_state, self.mesh), rng=commit(state.rng, self.mesh))
 
     def train_step(self, batch: dict) -> dict:
         s = self.state
