@@ -177,6 +177,26 @@ def test_spec_preemption_keeps_outputs(target, random_drafter):
     assert small.allocator.num_free == 15
 
 
+def test_spec_carried_decode_state_equals_the_hosts(target, random_drafter):
+    """The speculative engine carries its output state (lengths advanced by what each verify
+    kept, EOS inside a block, budgets) the way the host counts it: same tokens as re-sending the
+    state every dispatch, and the same state every dispatch, through preemptions."""
+    specs = [(40, 40), (30, 45), (35, 30), (20, 50), (6, 4)]
+    eos = 105  # a token these replies sample early enough: some lanes stop on it
+
+    def run(carry):
+        eng = Engine(CFG, target, (eos,), EngineConfig(**{**ECFG.__dict__, "num_pages": 16}),
+                     drafter=random_drafter, draft_cfg=DCFG)
+        eng.carry_state, eng.check_carry = carry, carry
+        return [(r.output_ids, r.finish_reason) for r in eng.generate(_requests(specs, temperature=0.8))], eng.stats
+
+    sent, _ = run(False)
+    carried, stats = run(True)
+    assert carried == sent
+    assert stats["state_carries"] > 3 and stats["preemptions"] > 0
+    assert {f for _, f in carried} == {"eos", "length"}
+
+
 def test_eos_inside_accepted_drafts_ends_the_request():
     t, d, _ = bigram_pair()
     (probe,) = Engine(CFG, t, (), ECFG, drafter=d, draft_cfg=DCFG).generate(_requests([(6, 30)]))
