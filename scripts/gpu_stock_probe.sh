@@ -17,6 +17,7 @@
 # step_ms down, launch overhead was on the critical path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+BASE_XLA_FLAGS=${XLA_FLAGS:-}  # every variant adds its flags to these
 . scripts/device_env.sh
 
 OUT=${OUT:-/tmp/out}
@@ -37,9 +38,13 @@ for v in "${variants[@]}"; do
   esac
   t0=$SECONDS
   # shellcheck disable=SC2086
-  XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout "${VARIANT_TIMEOUT:-200}" python3 scripts/bench_steps.py \
-    --out "$OUT/probe-$v.json" --lanes 1 --contexts 512 --steps 16 $spec $PROBE_ARGS \
-    > "$OUT/probe-$v.log" 2>&1
+  all_flags=$(echo ${BASE_XLA_FLAGS:-} $flags)  # XLA reads a value not starting with -- as a file
+  (
+    if [ -n "$all_flags" ]; then export XLA_FLAGS="$all_flags"; else unset XLA_FLAGS; fi
+    # shellcheck disable=SC2086
+    timeout "${VARIANT_TIMEOUT:-200}" python3 scripts/bench_steps.py \
+      --out "$OUT/probe-$v.json" --lanes 1 --contexts 512 --steps 16 $spec $PROBE_ARGS
+  ) > "$OUT/probe-$v.log" 2>&1
   echo "gpu_stock_probe: $v rc=$? in $((SECONDS - t0)) s  (XLA_FLAGS=$flags)"
   grep -h '^stock\|^spec' "$OUT/probe-$v.log" | tail -n 2
 done
