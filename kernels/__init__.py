@@ -18,6 +18,9 @@ Modules:
                                     impl), logsumexp(x, impl) and token_logprobs, with XLA twins
   rowwise_triton.py                 batch-invariant Triton RMSNorm and logsumexp (one program per
                                     row, a fixed order), the batch_invariant partners of linear
+  triton_ffi.py                     every jax-triton call goes through it: jax-triton's legacy
+                                    custom call rewritten to jaxlib's command-buffer-compatible
+                                    FFI target (JSPEC_TRITON_FFI=auto|1|0)
 
 TPU: ragged_paged_attention_pallas_tpu.py is the Pallas TPU (Mosaic) kernel behind
 impl="pallas_tpu": grid (lanes, kv heads), kv_lens / page table / cu_q_lens scalar-prefetched,

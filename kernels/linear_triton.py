@@ -298,7 +298,7 @@ def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
     split_k (tuning too) does change them: another split is another sum, as invariant in M."""
     import jax
     import jax.numpy as jnp
-    import jax_triton as jt
+    from jspec.kernels.triton_ffi import triton_call
 
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear: x must be [M, K] and w [N, K], got {x.shape} and {w.shape}")
@@ -313,7 +313,7 @@ def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
     plan = make_plan(M, N, K, ieee_dot=np.dtype(x.dtype) == np.float32, block_m=block_m,
                      dot_m=dot_m, block_n=block_n, num_sms=sms, num_warps=num_warps,
                      num_stages=num_stages, split_k=split_k)
-    out = jt.triton_call(
+    out = triton_call(
         x, w, kernel=_kernel(), name="linear_bi",
         out_shape=jax.ShapeDtypeStruct(plan.out_shape, jnp.float32), grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs())

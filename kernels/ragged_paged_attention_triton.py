@@ -401,7 +401,7 @@ def ragged_paged_attention_triton(
     """Same contract as ragged_paged_attention(impl="xla"); runs on an NVIDIA GPU."""
     import jax
     import jax.numpy as jnp
-    import jax_triton as jt
+    from jspec.kernels.triton_ffi import triton_call
 
     from jspec.kernels.ragged_paged_attention import check_dtypes
 
@@ -417,20 +417,20 @@ def ragged_paged_attention_triton(
                   SM_SCALE=float(sm_scale), **plan.fwd_constexprs())
     if plan.num_splits == 1:
         # Rows past cu_q_lens[-1] are never visited by a program: zero the output first.
-        out, _ = jt.triton_call(
+        out, _ = triton_call(
             *inputs, kernel=fwd, name="rpa_fwd",
             out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                        jax.ShapeDtypeStruct((1,), jnp.float32)),
             zeroed_outputs=(0,), **common)
         return out
-    o_part, lse = jt.triton_call(
+    o_part, lse = triton_call(
         *inputs, kernel=fwd, name="rpa_fwd_split",
         out_shape=(
             jax.ShapeDtypeStruct((plan.num_splits, num_tokens, num_q_heads, head_dim),
                                  jnp.float32),
             jax.ShapeDtypeStruct((plan.num_splits, num_tokens, num_q_heads), jnp.float32)),
         **common)
-    return jt.triton_call(
+    return triton_call(
         o_part, lse, cu_q_lens.astype(jnp.int32), kernel=merge, name="rpa_merge",
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(num_tokens,), num_warps=4,
         num_stages=1, **plan.merge_constexprs())

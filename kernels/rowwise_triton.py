@@ -142,13 +142,13 @@ def rms_norm_triton(x, w, eps: float, f32_out: bool = False):
     batch-invariant."""
     import jax
     import jax.numpy as jnp
-    import jax_triton as jt
+    from jspec.kernels.triton_ffi import triton_call
 
     if x.ndim != 2 or w.ndim != 1 or x.shape[1] != w.shape[0]:
         raise ValueError(f"rms_norm: x must be [M, D] and w [D], got {x.shape} and {w.shape}")
     plan = plan_rms_norm(*x.shape)
     out_dtype = jnp.float32 if f32_out else w.dtype
-    return jt.triton_call(
+    return triton_call(
         x, w, kernel=_kernels()[0], name="rms_norm_bi",
         out_shape=jax.ShapeDtypeStruct(x.shape, out_dtype), grid=plan.grid,
         num_warps=plan.num_warps, num_stages=1, **rms_norm_constexprs(plan, eps, f32_out))
@@ -158,12 +158,12 @@ def logsumexp_triton(x):
     """x [M, V] (fp32 or bf16) -> fp32 [M], batch-invariant."""
     import jax
     import jax.numpy as jnp
-    import jax_triton as jt
+    from jspec.kernels.triton_ffi import triton_call
 
     if x.ndim != 2:
         raise ValueError(f"logsumexp: x must be [M, V], got {x.shape}")
     plan = plan_logsumexp(*x.shape)
-    return jt.triton_call(
+    return triton_call(
         x, kernel=_kernels()[1], name="logsumexp_bi",
         out_shape=jax.ShapeDtypeStruct((x.shape[0],), jnp.float32), grid=plan.grid,
         num_warps=plan.num_warps, num_stages=1, **logsumexp_constexprs(plan))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")
@@ -162,6 +163,8 @@ def main():
         del eng
 
     if args.skip_spec:
+        rec["triton_route"] = getattr(sys.modules.get("jspec.kernels.triton_ffi"), "_route", None)
+        save()
         print(json.dumps(rec["stock"]))
         return
     eng = Engine(cfg, target, (), ecfg_for(8), drafter=drafter, draft_cfg=dcfg)
@@ -232,6 +235,7 @@ def main():
             save()
     stats = jax.devices()[0].memory_stats() or {}
     rec["peak_device_bytes"] = stats.get("peak_bytes_in_use")
+    rec["triton_route"] = getattr(sys.modules.get("jspec.kernels.triton_ffi"), "_route", None)
     save()
     print("| lanes | ctx | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
     print("|---|---|---|---|---|---|---|---|---|")

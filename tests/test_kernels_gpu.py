@@ -158,3 +158,28 @@ def test_write_then_attend_in_one_jit_with_donation():
     np.testing.assert_array_equal(
         np.asarray(k2.reshape(-1, 8, 128)[slots].astype(jnp.float32)),
         np.asarray(k_new.astype(jnp.float32)))
+
+
+def test_triton_kernels_take_the_ffi_target_with_the_legacy_bits():
+    """kernels/triton_ffi.py: on this jaxlib the probe picks the FFI custom call (command-buffer
+    compatible), the lowered module names it, and the batch-invariant linear gives the same bits
+    as through jax-triton's legacy custom call (the same kernel and proto, another wrapper)."""
+    from jspec.kernels import triton_ffi
+    from jspec.kernels.linear_triton import linear_triton
+
+    assert triton_ffi.route() == "ffi"
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (3, 512), jnp.bfloat16)
+    w = jax.random.normal(kw, (384, 512), jnp.bfloat16)
+    assert triton_ffi.FFI_TARGET in jax.jit(linear_triton).lower(x, w).as_text()
+    y_ffi = np.asarray(jax.jit(lambda x, w: linear_triton(x, w))(x, w))
+    try:
+        triton_ffi._register(False)
+        legacy = jax.jit(lambda x, w: linear_triton(x, w) + 0.0)
+        assert triton_ffi.FFI_TARGET not in legacy.lower(x, w).as_text()
+        y_legacy = np.asarray(legacy(x, w))
+    finally:
+        triton_ffi._register(True)
+    np.testing.assert_array_equal(y_ffi, y_legacy)
+    ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+    np.testing.assert_allclose(y_ffi, ref, rtol=2e-2, atol=2e-2)

@@ -496,7 +496,10 @@ class Bench:
                 items.append((prompt, out))
         occ = {e: [x for r in passes if r.engine == e for x in r.occupancy] for e in ("stock", "spec")}
         part = {
-            "part": spec.name, "key": self.key, "env": self.env, "command": self.command,
+            "part": spec.name, "key": self.key, "command": self.command,
+            # How the jax-triton kernels were called (kernels/triton_ffi.py), once they were.
+            "env": {**self.env, "triton_route": getattr(
+                sys.modules.get("jspec.kernels.triton_ffi"), "_route", None)},
             "spec": dataclasses.asdict(spec),
             "engine": {"max_lanes": spec.lanes, "max_context": ecfg_stock.max_context,
                        "page_size": ecfg_stock.page_size, "num_pages": stock.allocator.num_pages,
