@@ -93,11 +93,14 @@ def _probe() -> str | None:
     import numpy as np
 
     try:
-        x = jnp.arange(100, dtype=jnp.float32)
-        y = jax.jit(lambda x: jt.triton_call(
-            x, kernel=triton.jit(_probe_kernel), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-            grid=(1,), n_elements=100, BLOCK=128))(x)
-        if not np.array_equal(np.asarray(y), np.arange(100, dtype=np.float32) * 2 + 1):
+        # The first kernel call usually comes while a model is being traced: evaluate eagerly.
+        with jax.ensure_compile_time_eval():
+            x = jnp.arange(100, dtype=jnp.float32)
+            y = np.asarray(jax.jit(lambda x: jt.triton_call(
+                x, kernel=triton.jit(_probe_kernel),
+                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,), n_elements=100,
+                BLOCK=128))(x))
+        if not np.array_equal(y, np.arange(100, dtype=np.float32) * 2 + 1):
             return "the probe kernel's output is wrong through the FFI target"
     except Exception as e:  # noqa: BLE001 - any failure means: use the legacy route
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

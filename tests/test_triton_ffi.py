@@ -64,3 +64,24 @@ def test_route_setting_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="JSPEC_TRITON_FFI"):
         triton_ffi.install()
     assert triton_ffi._route is None
+
+
+@pytest.mark.parametrize("mode,probe_error,route", [
+    ("0", None, "legacy"), ("1", "never asked", "ffi"), ("auto", None, "ffi"),
+    ("auto", "XlaRuntimeError: no FFI handler", "legacy")])
+def test_route_choice(monkeypatch, mode, probe_error, route):
+    """auto keeps the FFI lowering only when the probe kernel ran through it; 0 never probes."""
+    registered, probed = [], []
+    monkeypatch.setattr(triton_ffi, "_route", None)
+    monkeypatch.setattr(triton_ffi, "_register", registered.append)
+    monkeypatch.setattr(triton_ffi, "_probe", lambda: probed.append(1) or probe_error)
+    monkeypatch.setenv("JSPEC_TRITON_FFI", mode)
+    if route == "legacy" and mode == "auto":
+        with pytest.warns(RuntimeWarning, match="no FFI handler"):
+            assert triton_ffi.route() == route
+    else:
+        assert triton_ffi.route() == route
+    assert registered[-1] == (route == "ffi")
+    assert bool(probed) == (mode == "auto")
+    triton_ffi.install()  # decided once per process
+    assert len(probed) == (mode == "auto")
