@@ -53,7 +53,7 @@ def triton_call(*args, **kwargs):
 def _ffi_lowering(legacy_rule, ctx, *array_args, **params):
     """jax-triton's lowering, then its legacy custom call swapped for the FFI target."""
     import jax
-    from jax._src.lib.mlir import ir
+    from jax.interpreters.mlir import ir
 
     results = legacy_rule(ctx, *array_args, **params)
     legacy_op = results[0].owner
