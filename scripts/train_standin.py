@@ -453,7 +453,8 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     loss_log.close()
     log(f"{name}: {time.time() - t0:.0f} s, {trainer.state.step} steps; held-out tau_greedy "
         f"{before['tau_greedy']:.2f} -> {after['tau_greedy']:.2f}, tau_prob {before['tau_prob']:.2f} -> "
-        f"{after['tau_prob']:.2f}, L1 {before['l1']:.3f} -> {after['l1']:.3f}")
+        f"{after['tau_prob']:.2f}, L1 {before['l1']:.3f} -> {after['l1']:.3f}, first-position c* "
+        f"{before['c_star_1']:.3f} -> {after['c_star_1']:.3f} (held-out replies are greedy)")
     export_drafter(trainer.drafter(), None if vocab is not None else model, export, dtype=args.export_dtype)
     log(f"{name}: exported to {export}")
     return {"untrained": before, "trained": after, "steps": trainer.state.step}

@@ -236,6 +236,9 @@ def test_drafter_loss_is_deepspec_objective(random_pair):
         np.testing.assert_allclose(metrics[k], v, rtol=3e-5, err_msg=k)
     m = np.asarray(layout["eval_mask"], np.float64)
     np.testing.assert_allclose(metrics["tau_prob"], 1 + np.cumprod(c_star * m, -1).sum() / 64, rtol=3e-5)
+    for k in range(m.shape[-1]):  # mean c* per block position over the rows that count
+        np.testing.assert_allclose(metrics[f"c_star_{k + 1}"],
+                                   (c_star[..., k] * m[..., k]).sum() / m[..., k].sum(), rtol=3e-5)
 
 
 # ---- drafter training ---------------------------------------------------------------------------

@@ -222,14 +222,19 @@ def drafter_loss(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, loss_m
 def acceptance_metrics(c_star_bak: Array, hit_bak: Array, eval_mask_bak: Array, keep_ba: Array) -> dict:
     """accept_rate: mean c* over valid rows; tau_prob = 1 + sum_k prod_{i<=k} c*_i (expected τ
     under teacher forcing at T = 1); tau_greedy = 1 + the leading run of rows whose draft argmax
-    is the label (the greedy accepted length when the replies are the target's greedy ones)."""
+    is the label (the greedy accepted length when the replies are the target's greedy ones);
+    c_star_k (k = 1..block): mean c* at block position k, so the first position, where a
+    parallel drafter should be best, stays visible (an engine anchors after rejections, where
+    c*_1 is lower than over uniform anchors: docs/benchmarks.md)."""
     m = eval_mask_bak.astype(jnp.float32)
     n_blocks = jnp.maximum(jnp.sum(keep_ba), 1)
     survive = jnp.cumprod(c_star_bak * m, axis=-1)
     run = jnp.cumprod(hit_bak * m, axis=-1)
+    per_k = jnp.sum(c_star_bak * m, axis=(0, 1)) / jnp.maximum(jnp.sum(m, axis=(0, 1)), 1)
     return {"accept_rate": jnp.sum(c_star_bak * m) / jnp.maximum(jnp.sum(m), 1),
             "tau_prob": 1.0 + jnp.sum(survive) / n_blocks,
-            "tau_greedy": 1.0 + jnp.sum(run) / n_blocks}
+            "tau_greedy": 1.0 + jnp.sum(run) / n_blocks,
+            **{f"c_star_{k + 1}": per_k[k] for k in range(c_star_bak.shape[-1])}}
 
 
 # ---- the trainer ---------------------------------------------------------------------------------
