@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")
@@ -69,6 +68,9 @@ def main():
         with open(args.out, "w") as f:
             json.dump(rec, f, indent=2)
 
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
     def median_time(fn, reps=5):
         fn()  # compile + warm-up
         ts = []
@@ -76,11 +78,24 @@ def main():
             t = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t)
-        return sorted(ts)[len(ts) // 2]
+        return median(ts)
+
+    def dispatch_times(call, reps=5):
+        """(median s per dispatch, median s until the jitted call returned: the host's launch
+        work, which sets the pace when it nears the dispatch time). call() returns the tokens."""
+        returned = []
+
+        def run():
+            t = time.perf_counter()
+            toks = call()
+            returned.append(time.perf_counter() - t)
+            toks.block_until_ready()
+
+        return median_time(run, reps), median(returned[1:])  # [0]: the warm-up
 
     # The bench's own measure (in-place sweeps in one jitted loop): a one-sweep, host-timed
     # `a + 1` read 2.6-2.9 TB/s on the H200 and flattered the HBM-bound fraction.
-    from jspec.bench.run import copy_bandwidth
+    from jspec.bench.run import copy_bandwidth, triton_route
     bw = copy_bandwidth(2 * 2**30 if jax.default_backend() != "cpu" else 64 * 2**20)
     rec["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -139,21 +154,18 @@ def main():
             for ctx in contexts:
                 state = state_for(eng, lanes, ctx)
 
-                call_s = []
-
-                def run():
-                    t_call = time.perf_counter()
+                def call():
                     eng.caches, _, toks, _ = eng.programs.decode(eng.params, eng.caches, state,
                                                                  num_steps=args.steps)
-                    call_s.append(time.perf_counter() - t_call)
-                    toks.block_until_ready()
+                    return toks
 
                 t = time.perf_counter()
-                step_s = median_time(run) / args.steps
+                dispatch_s, returned_s = dispatch_times(call)
+                step_s = dispatch_s / args.steps
                 step_bytes = weight_bytes - embed_bytes + lanes * ctx * kv_token_bytes
                 # Until the jitted call returns: the host's launch work when it nears step_ms.
                 r = {"lanes": lanes, "context": ctx, "step_ms": step_s * 1e3,
-                     "call_ms_per_step": sorted(call_s[1:])[len(call_s[1:]) // 2] / args.steps * 1e3,
+                     "call_ms_per_step": returned_s / args.steps * 1e3,
                      "tokens_per_s": lanes / step_s, "bench_s": time.perf_counter() - t,
                      "hbm_bound_ms": step_bytes / bw * 1e3,
                      "fraction_of_hbm_bound": step_bytes / bw / step_s}
@@ -163,7 +175,7 @@ def main():
         del eng
 
     if args.skip_spec:
-        rec["triton_route"] = getattr(sys.modules.get("jspec.kernels.triton_ffi"), "_route", None)
+        rec["triton_route"] = triton_route()
         save()
         print(json.dumps(rec["stock"]))
         return
@@ -196,20 +208,17 @@ def main():
         for ctx in contexts:
             state = state_for(eng, lanes, ctx)
 
-            call_s = []
-
-            def run():
-                t_call = time.perf_counter()
+            def call():
                 eng.caches, _, toks, _, _ = eng.programs.decode(eng.params, eng.caches, state,
                                                                 num_steps=args.steps)
-                call_s.append(time.perf_counter() - t_call)
-                toks.block_until_ready()
+                return toks
 
             t = time.perf_counter()
             r = {"lanes": lanes, "context": ctx}
             if not args.skip_iteration:
-                r["iteration_ms"] = median_time(run) / args.steps * 1e3
-                r["call_ms_per_iteration"] = sorted(call_s[1:])[len(call_s[1:]) // 2] / args.steps * 1e3
+                dispatch_s, returned_s = dispatch_times(call)
+                r["iteration_ms"] = dispatch_s / args.steps * 1e3
+                r["call_ms_per_iteration"] = returned_s / args.steps * 1e3
             split_lanes = [int(v) for v in args.split_lanes.split(",") if v]
             if lanes in split_lanes and ctx == contexts[0]:  # the split costs two more compiles
                 drafts = jnp.zeros((lanes, eng.num_draft), jnp.int32)
@@ -235,7 +244,7 @@ def main():
             save()
     stats = jax.devices()[0].memory_stats() or {}
     rec["peak_device_bytes"] = stats.get("peak_bytes_in_use")
-    rec["triton_route"] = getattr(sys.modules.get("jspec.kernels.triton_ffi"), "_route", None)
+    rec["triton_route"] = triton_route()
     save()
     print("| lanes | ctx | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
     print("|---|---|---|---|---|---|---|---|---|")

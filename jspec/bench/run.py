@@ -177,6 +177,12 @@ def device_memory() -> dict | None:
     return {"in_use": stats.get("bytes_in_use"), "peak": stats.get("peak_bytes_in_use")}
 
 
+def triton_route() -> str | None:
+    """How this process called its jax-triton kernels ("ffi" | "legacy", kernels/triton_ffi.py),
+    or None if it called none (read without importing Triton)."""
+    return getattr(sys.modules.get("jspec.kernels.triton_ffi"), "_route", None)
+
+
 def copy_bandwidth(nbytes: int, passes: int = 8) -> float:
     """Device-to-device bandwidth (bytes/s): `passes` read + write sweeps of a bf16 array inside
     one jitted loop, in place (donated), median of 5 dispatches. In place and looped so that
@@ -497,9 +503,7 @@ class Bench:
         occ = {e: [x for r in passes if r.engine == e for x in r.occupancy] for e in ("stock", "spec")}
         part = {
             "part": spec.name, "key": self.key, "command": self.command,
-            # How the jax-triton kernels were called (kernels/triton_ffi.py), once they were.
-            "env": {**self.env, "triton_route": getattr(
-                sys.modules.get("jspec.kernels.triton_ffi"), "_route", None)},
+            "env": {**self.env, "triton_route": triton_route()},
             "spec": dataclasses.asdict(spec),
             "engine": {"max_lanes": spec.lanes, "max_context": ecfg_stock.max_context,
                        "page_size": ecfg_stock.page_size, "num_pages": stock.allocator.num_pages,
