@@ -2,11 +2,12 @@
 
 Everything here is pure `jax.random` + `jax.numpy`, jit-able, and takes the per-lane sampling
 parameters as *arrays* (`SamplingArrays`), never as static arguments: changing a request's
-temperature / top-k / top-p / seed never recompiles. One static bit says whether any lane
-filters at all (top-k / top-p), so a program compiles at most twice: with and without filtering.
-The two variants compute the same law; XLA fuses them differently, so a lane's log-probs may
-differ between them in the last fp32 bit (a token could change only where two candidates tie
-to ~1e-7). Within a variant a request never depends on its batch.
+temperature / top-k / top-p / seed never recompiles. One static field says which filtering
+paths the batch needs (`SamplingArrays.filter_paths`: none, the top-k candidate path, or all
+paths), so a program compiles at most three times. The variants compute the same law; XLA
+fuses them differently, so a lane's log-probs may differ between them in the last fp32 bit (a
+token could change only where two candidates tie to ~1e-7). Within a variant a request never
+depends on its batch.
 
 The processed distribution (`processed_logprobs`), exactly:
 
@@ -34,17 +35,18 @@ parameters, never on the batch):
     image of x (the tpu-inference / T5X trick, widened to 2 bits per pass on accelerators): 16
     vocab passes, each counting (top-k) or summing the mass (top-p) above 3 candidate thresholds
     at once (1 bit, 32 passes, on CPU). No sort, gather or scatter over the vocabulary.
-  When no lane filters (the static bit) the paths are not in the program, so plain temperature
-  sampling costs one log-softmax; otherwise each path is skipped with `lax.cond` when no lane in
-  the batch needs it. The two paths compute the same cut up to the order of the fp32
-  mass summation, which matters only when a prefix mass is within rounding of top_p.
+  Only the paths that the static `filter_paths` names are in the program: with no filtering
+  lane, plain temperature sampling costs one log-softmax. There is no `lax.cond`: on the GPU a
+  cond copies its predicate to the host and blocks it until the stream drains, every step.
+  The two paths compute the same cut up to the order of the fp32 mass summation, which matters
+  only when a prefix mass is within rounding of top_p.
 
 The public functions are `jax.jit`-wrapped so that eager calls are fast; inside an outer jit
 they simply inline.
 
 Randomness: every draw uses a key derived from the request's seed, the absolute position of
 the token it concerns, and a small purpose tag (`token_key`). A request's tokens therefore never
-depend on its lane index or on what else is batched with it (up to the one static bit above),
+depend on its lane index or on what else is batched with it (up to the static variant above),
 and a key is never shared between two different kinds of draw.
 """
 
@@ -70,6 +72,23 @@ PURPOSE_RESIDUAL = 3  # the verifier's own token at `position`: residual or bonu
 _MAX_SEED = 2**32
 
 CANDIDATE_TOP_K = 64  # lanes with 0 < top_k <= this use the few-pass candidate path
+
+# SamplingArrays.filter_paths: the filtering paths compiled into a program (module docstring).
+FILTER_NONE = "none"  # no lane filters: no cut at all
+FILTER_CANDIDATE = "candidate"  # only lanes with 0 < top_k <= CANDIDATE_TOP_K filter
+FILTER_ALL = "all"  # some lane needs the bit search: larger top_k, or top-p without a small top_k
+FILTER_PATHS = (FILTER_NONE, FILTER_CANDIDATE, FILTER_ALL)
+
+
+def filter_paths_for(top_k, top_p, greedy) -> str:
+    """The variant that serves every lane of a batch (host values, one per lane)."""
+    top_k, top_p, greedy = (np.asarray(a) for a in (top_k, top_p, greedy))
+    sampled = ~greedy.astype(bool)
+    candidate = sampled & (top_k > 0) & (top_k <= CANDIDATE_TOP_K)
+    search = sampled & ~candidate & ((top_k > 0) | (top_p < 1.0))
+    if search.any():
+        return FILTER_ALL
+    return FILTER_CANDIDATE if candidate.any() else FILTER_NONE
 _CHUNK = 128  # vocabulary chunk of the candidate preselection (151936 = 1187 * 128)
 SEARCH_BITS_PER_PASS = 2  # bit search on accelerators: 16 vocab passes, 3 thresholds each
 
@@ -89,18 +108,20 @@ def _bits_per_pass(bits_per_pass):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_k", "top_p", "greedy", "seed"],
-    meta_fields=["filtering"],
+    meta_fields=["filter_paths"],
 )
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
-    """Per-lane sampling parameters; a pytree of [B] arrays (never static), plus one static bit.
+    """Per-lane sampling parameters; a pytree of [B] arrays (never static), plus one static field.
 
-    `filtering` (static, part of the pytree structure): may any lane use top-k / top-p? When
-    False the programs skip the filtering paths outright instead of testing for them on the
-    device: a `lax.cond` on the GPU copies its predicate to the host and drains the stream
-    (measured on the H200: about 77 us of idle GPU per cond, 8 conds per speculative iteration).
-    So a program has at most two compiled variants, with and without filtering lanes; they
-    agree to fp32 rounding (module docstring).
+    `filter_paths` (static, part of the pytree structure): which filtering paths the batch
+    needs (FILTER_NONE / FILTER_CANDIDATE / FILTER_ALL, from `filter_paths_for`). Only those
+    are compiled, and every lane runs them with its own cut picked by `jnp.where`, instead of a
+    device test of whether any lane needs a path: a `lax.cond` on the GPU copies its predicate
+    to the host and blocks the host until the stream drains (measured on the H200: about 77 us
+    of idle GPU per cond, 8 conds per speculative iteration, and no launch can run ahead). So
+    a program has at most three compiled variants; they agree to fp32 rounding (module
+    docstring).
     """
 
     temperature: Any  # [B] f32; only meaningful where not greedy
@@ -108,7 +129,11 @@ class SamplingArrays:
     top_p: Any  # [B] f32; 1.0 = off
     greedy: Any  # [B] bool; temperature <= SAMPLING_EPS
     seed: Any  # [B] u32; the request's seed
-    filtering: bool = True  # static: False only when no lane samples with top-k or top-p
+    filter_paths: str = FILTER_ALL  # static: the filtering paths compiled (filter_paths_for)
+
+    def __post_init__(self):
+        if self.filter_paths not in FILTER_PATHS:
+            raise ValueError(f"filter_paths must be one of {FILTER_PATHS}, got {self.filter_paths!r}")
 
     @property
     def num_lanes(self) -> int:
@@ -153,14 +178,13 @@ class SamplingArrays:
                 raise ValueError(f"lane {lane}: seed must be an integer in [0, 2**32), got {s}")
         temperature = np.asarray(temperature, np.float32)
         greedy = temperature <= SAMPLING_EPS
-        filtering = any((k > 0 or p < 1.0) and not g for k, p, g in zip(top_k, top_p, greedy))
         return cls(
             temperature=temperature,
             top_k=np.asarray([int(k) for k in top_k], np.int32),
             top_p=np.asarray(top_p, np.float32),
             greedy=greedy,
             seed=np.asarray([int(s) for s in seeds], np.uint32),
-            filtering=bool(filtering),
+            filter_paths=filter_paths_for(top_k, top_p, greedy),
         )
 
     @classmethod
@@ -188,7 +212,7 @@ class SamplingArrays:
         extra = num_lanes - self.num_lanes
         if extra < 0:
             raise ValueError(f"cannot pad {self.num_lanes} lanes down to {num_lanes}")
-        pad = dataclasses.replace(SamplingArrays.padding(extra), filtering=self.filtering)
+        pad = dataclasses.replace(SamplingArrays.padding(extra), filter_paths=self.filter_paths)
         return jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), b]), self, pad)
 
 
@@ -288,7 +312,9 @@ def _candidate_top_k_top_p(x_f32, top_k, top_p, use_top_p):
         candidates = jnp.take_along_axis(chunks, best_chunks[..., None], axis=-2)
         candidates = candidates.reshape(x_f32.shape[:-1] + (cap * _CHUNK,))
     top_values, _ = lax.top_k(candidates, min(cap, candidates.shape[-1]))  # descending
-    k_threshold = jnp.take_along_axis(top_values, jnp.clip(top_k, 1, cap) - 1, axis=-1)
+    # top_k >= the row's length (a tiny vocabulary) cuts at its smallest value: keeps all.
+    k_threshold = jnp.take_along_axis(top_values, jnp.clip(top_k, 1, top_values.shape[-1]) - 1,
+                                      axis=-1)
 
     # Nucleus of the top-k survivors, in the sorted order of top_values.
     x_max = top_values[..., :1]
@@ -302,12 +328,13 @@ def _candidate_top_k_top_p(x_f32, top_k, top_p, use_top_p):
     return _ordered_uint32(jnp.where(use_top_p, p_threshold, k_threshold))
 
 
-@functools.partial(jax.jit, static_argnames=("filtering",))
-def processed_logprobs(logits, temperature, top_k, top_p, greedy, filtering: bool = True):
+@functools.partial(jax.jit, static_argnames=("filter_paths",))
+def processed_logprobs(logits, temperature, top_k, top_p, greedy, filter_paths: str = FILTER_ALL):
     """Log-probs [..., V] f32 of the distribution actually sampled (see module docstring).
 
-    filtering=False promises that no lane uses top-k / top-p (`SamplingArrays.filtering`): the
-    filtering paths are then left out of the program rather than skipped by a device test.
+    filter_paths (static): the filtering paths compiled in; it must serve every lane
+    (`filter_paths_for` of the same parameters, as `SamplingArrays` holds it). FILTER_ALL, the
+    default, serves any parameters.
 
     logits: [B, ..., V] (any float dtype; processed in fp32). temperature / top_k / top_p /
     greedy: [B] per-lane parameters (or any shape that is a prefix of logits.shape[:-1]); they
@@ -329,30 +356,25 @@ def processed_logprobs(logits, temperature, top_k, top_p, greedy, filtering: boo
     argmax = jnp.argmax(logits_f32, axis=-1, keepdims=True)
     x_max = jnp.take_along_axis(x_f32, argmax, axis=-1)
 
-    # Which lane takes which path depends on its own parameters only, so a request's law never
-    # depends on its batch. Each path is skipped with lax.cond when no lane needs it; the cuts
-    # are uint32 keys of x ([..., 1]), 0 meaning "keep everything".
-    use_top_k = (top_k > 0) & (top_k < vocab) & ~greedy
-    use_top_p = (top_p < 1.0) & ~greedy
-    small_k = use_top_k & (top_k <= CANDIDATE_TOP_K)  # top-k and its top-p from candidates
-    large_k = use_top_k & ~small_k  # top-k by bit search
-    searched_p = use_top_p & ~small_k  # top-p by bit search (after a large top-k, if any)
+    # Which lane takes which path depends on its own parameters only (the same rule as
+    # filter_paths_for), so a request's law never depends on its batch. Every compiled path runs
+    # for all lanes and each lane keeps its own cut (jnp.where): no lax.cond. The cuts are
+    # uint32 keys of x ([..., 1]), 0 meaning "keep everything". A top_k >= vocab keeps every
+    # token on either path, as top-k off does.
+    sampled = ~greedy
+    small_k = (top_k > 0) & (top_k <= CANDIDATE_TOP_K) & sampled  # top-k and its top-p
+    large_k = (top_k > CANDIDATE_TOP_K) & sampled  # top-k by bit search
+    searched_p = (top_p < 1.0) & ~small_k & sampled  # top-p by bit search (after a large top-k)
     no_cut = jnp.zeros(x_f32.shape[:-1] + (1,), jnp.uint32)
-
-    def only(lanes, cut_fn):
-        return lax.cond(jnp.any(lanes), lambda: jnp.where(lanes, cut_fn(), no_cut),
-                        lambda: no_cut)
-
-    def cuts():
-        small_cut = only(small_k, lambda: _candidate_top_k_top_p(x_f32, top_k, top_p, use_top_p))
-        k_cut = only(large_k, lambda: _search_top_k(x_f32, top_k))
-        p_cut = only(searched_p, lambda: _search_top_p(x_f32, x_max, top_p, k_cut))
-        return jnp.maximum(jnp.maximum(small_cut, k_cut), p_cut)
-
-    if filtering:
-        cut = lax.cond(jnp.any(use_top_k | use_top_p), cuts, lambda: no_cut)
-    else:
-        cut = no_cut
+    if filter_paths not in FILTER_PATHS:
+        raise ValueError(f"filter_paths must be one of {FILTER_PATHS}, got {filter_paths!r}")
+    cut = no_cut
+    if filter_paths in (FILTER_CANDIDATE, FILTER_ALL):
+        cut = jnp.where(small_k, _candidate_top_k_top_p(x_f32, top_k, top_p, top_p < 1.0), no_cut)
+    if filter_paths == FILTER_ALL:
+        k_cut = jnp.where(large_k, _search_top_k(x_f32, top_k), no_cut)
+        p_cut = jnp.where(searched_p, _search_top_p(x_f32, x_max, top_p, k_cut), no_cut)
+        cut = jnp.maximum(jnp.maximum(cut, k_cut), p_cut)
     keep = _ordered_uint32(x_f32) >= cut
     shifted = x_f32 - x_max
     log_z = jnp.log(jnp.sum(jnp.where(keep, jnp.exp(shifted), 0.0), axis=-1, keepdims=True))
@@ -366,7 +388,7 @@ def processed_logprobs(logits, temperature, top_k, top_p, greedy, filtering: boo
 def process(logits, arrays: SamplingArrays):
     """`processed_logprobs` with the parameters taken from a `SamplingArrays`."""
     return processed_logprobs(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.greedy,
-                              filtering=arrays.filtering)
+                              filter_paths=arrays.filter_paths)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Split once, jit once: the model is `nnx.split` at load; every program here is a 
 (params, caches, metadata arrays) with the caches donated, so XLA updates the pools in place.
 Shapes are static (lanes, pages per lane, chunk size, steps per dispatch); lengths, positions,
 page tables and sampling parameters travel as arrays, so nothing recompiles after warm-up except
-once for the first batch with a top-k / top-p lane (`SamplingArrays.filtering`, a static bit).
+once for the first batch that needs a top-k / top-p path (`SamplingArrays.filter_paths`: at most
+two more variants).
 """
 
 from __future__ import annotations

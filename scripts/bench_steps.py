@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--attn-impl", default="auto")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off (Qwen3's default: 20)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (Qwen3's default: 0.8)")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--taps", default="1,9,17,25,33")
     ap.add_argument("--skip-stock", action="store_true")
@@ -62,6 +64,7 @@ def main():
     rec = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "preset": args.preset,
            "attn_impl": args.attn_impl, "steps_per_dispatch": args.steps,
            "page_size": args.page_size, "temperature": args.temperature,
+           "top_k": args.top_k, "top_p": args.top_p,
            "draft_kv_dtype": args.draft_kv_dtype, "stock": [], "spec": []}
 
     def save():
@@ -138,7 +141,8 @@ def main():
             lengths=jnp.full((lanes,), ctx, jnp.int32), page_table=jnp.asarray(table),
             active=jnp.ones((lanes,), bool), remaining=jnp.full((lanes,), 10**6, jnp.int32),
             stop_on_eos=jnp.zeros((lanes,), bool),
-            sampling=SamplingArrays.from_lists([args.temperature] * lanes, seed=list(range(lanes))))
+            sampling=SamplingArrays.from_lists([args.temperature] * lanes, [args.top_k] * lanes,
+                                               [args.top_p] * lanes, seed=list(range(lanes))))
 
     def ecfg_for(width):
         return EngineConfig(max_lanes=max_lanes, page_size=args.page_size,

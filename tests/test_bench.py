@@ -262,7 +262,7 @@ def test_bench_quick_end_to_end(bench_pair, tmp_path, capsys):
 
 
 def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tmp_path):
-    """Qwen3's defaults (top-k 20, top-p 0.8) take the sampler's filtering variant in both
+    """Qwen3's defaults (top-k 20, top-p 0.8) take the sampler's candidate-path variant in both
     engines: it compiles during warm-up, never inside the timed passes."""
     import argparse
 

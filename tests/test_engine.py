@@ -92,8 +92,9 @@ def test_request_larger_than_pool_is_refused(model):
 
 
 def test_no_recompilation_after_warmup(model):
-    """Lengths and parameters never recompile; the first top-k / top-p request compiles each
-    program's filtering variant once (sampling.SamplingArrays.filtering), and only once."""
+    """Lengths and parameters never recompile; the first batch that needs a filtering path
+    compiles each program's variant for it once (sampling.SamplingArrays.filter_paths: the
+    top-k candidate path, or all paths), and only once."""
     eng = _engine(model)
 
     def counts():
@@ -104,12 +105,19 @@ def test_no_recompilation_after_warmup(model):
     eng.generate(_requests([(3, 2), (40, 11), (17, 30), (1, 5), (25, 9)], temperature=0.7))
     assert counts() == plain
     eng.generate([Request([1, 2, 3], temperature=1.0, top_k=5, top_p=0.9, max_tokens=8)])
-    filtered = counts()
-    assert all(f <= p + 1 for f, p in zip(filtered, plain))
+    candidate = counts()
+    assert all(c <= p + 1 for c, p in zip(candidate, plain))
+    eng.generate(_requests([(5, 7)], temperature=0.9)
+                 + [Request([4, 5], temperature=0.5, top_k=20, top_p=0.8, max_tokens=9)])
+    assert counts() == candidate
     eng.generate(_requests([(5, 7), (30, 12)], temperature=0.9)
                  + [Request([4, 5], temperature=0.5, top_p=0.8, max_tokens=9)])
+    everything = counts()
+    assert all(e <= c + 1 for e, c in zip(everything, candidate))
+    eng.generate([Request([6, 7], temperature=0.8, top_k=100, max_tokens=5)])
     eng.generate(_requests([(12, 3)], temperature=0.0))
-    assert counts() == filtered
+    eng.generate([Request([1, 2, 3], temperature=1.0, top_k=5, top_p=0.9, max_tokens=8)])
+    assert counts() == everything
 
 
 def test_seeded_request_alone_or_batched_gives_same_tokens(model):

@@ -140,7 +140,7 @@ def test_wrapper_matches_core_and_a_request_is_independent_of_its_batch():
     n = np.asarray(out.num_emitted)
     assert np.all((1 <= n) & (n <= num_draft + 1))
     # Each lane again, alone among greedy padding lanes (same shapes: no recompile).
-    padding = dataclasses.replace(SamplingArrays.padding(lanes), filtering=arrays.filtering)
+    padding = dataclasses.replace(SamplingArrays.padding(lanes), filter_paths=arrays.filter_paths)
     for lane in range(lanes):
         put = lambda pad, mine: np.concatenate(
             [np.asarray(pad)[:lane], np.asarray(mine)[lane:lane + 1],

@@ -200,44 +200,89 @@ def test_candidate_and_search_paths_agree():
         np.testing.assert_array_equal(cand_kp, search_kp)
 
 
-def test_changing_parameters_compiles_at_most_twice():
-    """Parameters are arrays; only the static bit "does any lane filter" picks a second variant."""
+def test_changing_parameters_compiles_at_most_three_times():
+    """Parameters are arrays; only the static `filter_paths` (which filtering paths the batch
+    needs) picks another variant: none, the top-k candidate path, or all paths."""
     traces = []
 
     @jax.jit
     def step(logits, arrays, positions):
-        traces.append(arrays.filtering)
+        traces.append(arrays.filter_paths)
         return sampling.sample(logits, arrays, positions)
 
     logits = jnp.zeros((4, 32))
     plain = (lane_arrays(4, 1.0), lane_arrays(4, 0.0, seed=3), lane_arrays(4, 0.5, seed=9),
              SamplingArrays.from_lists([0.0, 0.0], [5, 0], [0.3, 1.0]).pad_to(4))  # greedy: no cut
-    filtered = (lane_arrays(4, 0.7, 5, 0.9),
-                SamplingArrays.from_lists([0.0, 1.0, 0.5, 2.0], [0, 3, 0, 7],
-                                          [1.0, 1.0, 0.3, 0.9], [1, 2, 3, 4]),
-                SamplingArrays.from_lists([1.0], [0], [0.8]).pad_to(4))
-    for arrays in plain + filtered:
+    candidate = (lane_arrays(4, 0.7, 5, 0.9),  # Qwen3-style: a small top-k, with or without top-p
+                 SamplingArrays.from_lists([0.0, 1.0, 0.5, 2.0], [0, 3, 0, 64],
+                                           [0.1, 1.0, 1.0, 0.9], [1, 2, 3, 4]))
+    everything = (SamplingArrays.from_lists([1.0], [0], [0.8]).pad_to(4),  # top-p alone
+                  SamplingArrays.from_lists([1.0, 1.0], [5, 65], [1.0, 1.0]).pad_to(4))  # large k
+    for arrays in plain + candidate + everything:
         jax.block_until_ready(step(logits, arrays, jnp.arange(4)))
-    assert [a.filtering for a in plain] == [False] * 4 and [a.filtering for a in filtered] == [True] * 3
-    assert traces == [False, True]
+    assert [a.filter_paths for a in plain + candidate + everything] == (
+        [sampling.FILTER_NONE] * 4 + [sampling.FILTER_CANDIDATE] * 2 + [sampling.FILTER_ALL] * 2)
+    assert traces == [sampling.FILTER_NONE, sampling.FILTER_CANDIDATE, sampling.FILTER_ALL]
 
 
-def test_unfiltered_variant_is_the_same_law():
-    """Leaving the filtering paths out (no lane filters) gives the same law: XLA fuses the two
-    programs differently, so the log-probs agree to fp32 rounding, not bit for bit."""
-    logits = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 64)) * 3
-    arrays = SamplingArrays.from_lists([1.0, 0.0, 0.6])
-    assert not arrays.filtering
-    a = sampling.process(logits, arrays)
-    b = sampling.process(logits, dataclasses.replace(arrays, filtering=True))
-    np.testing.assert_array_equal(np.isinf(np.asarray(a)), np.isinf(np.asarray(b)))
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    # ...and the bit is what it claims: with a top-k lane the unfiltered variant would differ.
-    k = SamplingArrays.from_lists([1.0, 1.0, 1.0], [4, 0, 0])
-    assert k.filtering
-    cut = np.asarray(sampling.process(logits, k))
-    uncut = np.asarray(sampling.process(logits, dataclasses.replace(k, filtering=False)))
-    assert np.isinf(cut[0]).sum() > 0 and not np.isinf(uncut[0]).any()
+def test_bad_filter_paths_is_refused():
+    with pytest.raises(ValueError, match="filter_paths"):
+        dataclasses.replace(lane_arrays(2, 1.0), filter_paths="some")
+    with pytest.raises(ValueError, match="filter_paths"):
+        sampling.processed_logprobs(jnp.zeros((1, 8)), 1.0, 0, 1.0, False, filter_paths=True)
+
+
+@pytest.mark.parametrize("arrays", [
+    SamplingArrays.from_lists([1.0, 0.0, 0.7]),
+    SamplingArrays.from_lists([1.0, 0.7, 0.0], [20, 3, 5], [0.8, 1.0, 0.5]),
+    SamplingArrays.from_lists([1.0, 0.7, 0.9], [0, 100, 20], [0.8, 0.9, 1.0]),
+], ids=lambda a: a.filter_paths)
+def test_filtering_has_no_device_conditional(arrays):
+    """No variant tests on the device whether a path is needed: a cond on the GPU blocks the host
+    until the stream drains (SamplingArrays). A sampler that used lax.cond would fail here."""
+    logits = jnp.zeros((3, 2, 200))
+    jaxpr = jax.make_jaxpr(lambda x, a: sampling.process(x, a))(logits, arrays)
+
+    def primitives(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                yield from primitives(sub)
+
+    names = set(primitives(jaxpr.jaxpr))
+    assert "cond" not in names and "while" not in names, names
+
+
+def test_filter_variants_are_the_same_law():
+    """Each variant that serves a batch gives the law of the all-paths variant: XLA fuses them
+    differently, so the log-probs agree to fp32 rounding, not bit for bit. And the static field
+    is what it claims: a variant without a lane's path would not cut that lane."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (4, 5, 200)) * 3
+    for arrays, narrower in (
+            (SamplingArrays.from_lists([1.0, 0.0, 0.6, 1.0]), None),
+            (SamplingArrays.from_lists([1.0, 0.0, 0.6, 1.3], [4, 0, 20, 64], [1.0, 0.5, 0.8, 0.3]),
+             sampling.FILTER_NONE),
+            (SamplingArrays.from_lists([1.0, 1.0, 0.6, 1.0], [4, 80, 0, 250], [1.0, 0.9, 0.8, 0.7]),
+             sampling.FILTER_CANDIDATE)):
+        a = np.asarray(sampling.process(logits, arrays))
+        b = np.asarray(sampling.process(logits, dataclasses.replace(
+            arrays, filter_paths=sampling.FILTER_ALL)))
+        np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        if narrower is not None:
+            uncut = np.asarray(sampling.process(logits, dataclasses.replace(
+                arrays, filter_paths=narrower)))
+            assert np.isinf(a).sum() > np.isinf(uncut).sum()
+
+
+def test_top_k_at_or_above_the_vocabulary_keeps_every_token():
+    """top_k >= V is top-k off, on the candidate path (V <= 64) and the bit search alike."""
+    for vocab, k in ((40, 40), (40, 64), (300, 300), (300, 1000)):
+        logits = jnp.tile(jax.random.normal(jax.random.PRNGKey(vocab + k), (1, vocab)), (2, 1))
+        cut = sampling.process(logits, SamplingArrays.from_lists([1.0, 1.0], [k, 0], [0.9, 0.9]))
+        np.testing.assert_allclose(np.asarray(cut[0]), np.asarray(cut[1]), rtol=1e-6, atol=1e-6)
+        off = sampling.process(logits, SamplingArrays.from_lists([1.0], [k], [1.0]))
+        assert not np.isinf(np.asarray(off)).any()
 
 
 # ---------------------------------------------------------------------------- sampling law
