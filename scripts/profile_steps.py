@@ -970,6 +970,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attn-impl", default="auto")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off (Qwen3's default: 20)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (Qwen3's default: 0.8)")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--taps", default="1,9,17,25,33")
     ap.add_argument("--copy-mib", type=int, default=1024, help="device copy for the bandwidth "
@@ -1014,7 +1016,7 @@ def main(argv=None) -> dict:
            "mode": "spec" if args.spec else "stock", "lanes": args.lanes, "context": args.context,
            "steps_per_dispatch": args.steps, "dispatches_profiled": args.dispatches,
            "page_size": args.page_size, "attn_impl": args.attn_impl,
-           "temperature": args.temperature, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "notes": []}
 
     def save():
@@ -1058,7 +1060,8 @@ def main(argv=None) -> dict:
         lengths=jnp.full((lanes,), args.context, jnp.int32), page_table=jnp.asarray(table),
         active=jnp.ones((lanes,), bool), remaining=jnp.full((lanes,), 10**6, jnp.int32),
         stop_on_eos=jnp.zeros((lanes,), bool),
-        sampling=SamplingArrays.from_lists([args.temperature] * lanes, seed=list(range(lanes))))
+        sampling=SamplingArrays.from_lists([args.temperature] * lanes, [args.top_k] * lanes,
+                                           [args.top_p] * lanes, seed=list(range(lanes))))
     jax.block_until_ready(caches)
     rec["init_s"] = time.perf_counter() - t0
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(nnx.state(target)))

@@ -178,8 +178,10 @@ def test_profile_steps_cpu(tmp_path):
     """The whole script on a tiny model on the CPU: XLA:CPU thunk events on host threads."""
     out = tmp_path / "prof.json"
     rec = ps.main(["--out", str(out), "--preset", "tiny-untied", "--context", "40", "--steps", "3",
-                   "--dispatches", "2", "--reps", "1", "--copy-mib", "1", "--top", "5"])
+                   "--dispatches", "2", "--reps", "1", "--copy-mib", "1", "--top", "5",
+                   "--top-k", "20", "--top-p", "0.8"])  # Qwen3's filtering, as the bench's qwen
     disk = json.loads(out.read_text())
+    assert (disk["top_k"], disk["top_p"]) == (20, 0.8)
     assert disk["step_ms_unprofiled"] == pytest.approx(rec["step_ms_unprofiled"])
     assert "error" not in disk, disk.get("notes")
     assert disk["events_kind"] == "host" and disk["dispatches"] == 2 and disk["steps"] == 6
