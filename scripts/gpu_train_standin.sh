@@ -69,7 +69,7 @@ case "${1:-}" in
       CUDA_VISIBLE_DEVICES=0 python3 scripts/train_standin.py "${COMMON[@]}" --stop-after-replies \
         --reply-sets train > "$OUT/replies_0.log" 2>&1 &
       CUDA_VISIBLE_DEVICES=1 python3 scripts/train_standin.py "${COMMON[@]}" --stop-after-replies \
-        --reply-sets train_t1,eval > "$OUT/replies_1.log" 2>&1
+        --reply-sets train_t1,eval,eval_t1 > "$OUT/replies_1.log" 2>&1
       wait
       tail -n 3 "$OUT"/replies_*.log
       # the drafters' time box: what is left after loading, export, the engine eval and the transfer

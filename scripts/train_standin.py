@@ -11,6 +11,9 @@ OUT/ after a run:
   data/prompts{,_eval}.jsonl    training / held-out prompts ({"prompt_ids": [...]})
   data/replies.jsonl            prompts + S's sampled replies (drafter training data)
   data/replies_eval.jsonl       held-out prompts + S's greedy replies (drafter evaluation)
+  data/replies{,_eval}_t1.jsonl with --reply-t1: the same prompts answered at T = 1.0 without
+                                truncation (the bench's headline law): training data, and a
+                                held-out set whose tau_prob tracks the engine's T = 1 tau
   ckpt/{target,dspark,dflash}/  resumable checkpoints (rerunning the command resumes)
   logs/{target,dspark,dflash}.jsonl   loss logs
   target/   Hugging Face Qwen3 directory     dspark/, dflash/   DeepSpec-layout drafters
@@ -103,8 +106,9 @@ def parse_args(argv=None):
     g.add_argument("--reply-t1", action=argparse.BooleanOptionalAction, default=False,
                    help="also answer every training prompt at temperature 1.0 without top-p / top-k "
                         "(the benchmark's headline law; data/replies_t1.jsonl), and train the drafters "
-                        "on both sets")
-    g.add_argument("--reply-sets", default="train,train_t1,eval",
+                        "on both sets; the held-out prompts too (data/replies_eval_t1.jsonl), to "
+                        "evaluate the drafters under that law as well")
+    g.add_argument("--reply-sets", default="train,train_t1,eval,eval_t1",
                    help="which reply sets this run may sample (the others must exist or are not "
                         "needed): split across processes, one per GPU, with --stop-after-replies")
     g.add_argument("--engine-replies", action=argparse.BooleanOptionalAction, default=None,
@@ -371,24 +375,33 @@ def engine_replies(full_dir: Path, prompts, args, temperature: float, raw: bool 
     return [r.token_ids for r in llm.generate([list(p) for p in prompts], sp)]
 
 
-REPLY_SETS = {"train": "replies", "train_t1": "replies_t1", "eval": "replies_eval"}
+REPLY_SETS = {"train": "replies", "train_t1": "replies_t1", "eval": "replies_eval",
+              "eval_t1": "replies_eval_t1"}
+T1_SETS = ("replies_t1", "replies_eval_t1")  # sampled at T = 1.0, untruncated, with --reply-t1
 
 
 def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | None):
-    """Replies to the training prompts (sampled: T, top-p, top-k of --reply-*; with --reply-t1
-    also at T = 1.0 without truncation) and to the held-out prompts (greedy), as ids of the
-    tokenizer (full ids with the qwen3 tokenizer). Sets this run may not sample (--reply-sets)
-    are read when another process has written them, else left out (None)."""
+    """Replies to the training prompts (sampled: T, top-p, top-k of --reply-*) and to the
+    held-out prompts (greedy); with --reply-t1 both prompt sets also at T = 1.0 without
+    truncation. Ids of the tokenizer (full ids with the qwen3 tokenizer). Sets this run may not
+    sample (--reply-sets) are read when another process has written them, else left out (None).
+    Returns (training replies, held-out greedy replies, held-out T = 1 replies or None)."""
     from jspec.train.data import read_replies, write_replies
     from jspec.train.drafter import sample_replies
-    may_sample = {REPLY_SETS[k] for k in args.reply_sets.split(",") if k}
+    asked = [k for k in args.reply_sets.split(",") if k]
+    unknown = [k for k in asked if k not in REPLY_SETS]
+    if unknown:
+        raise SystemExit(f"--reply-sets: unknown set(s) {', '.join(unknown)} "
+                         f"(the sets are {', '.join(REPLY_SETS)})")
+    may_sample = {REPLY_SETS[k] for k in asked}
     sets = {}
     for name, prompt_set, temperature, given in (
             ("replies", prompts[0], args.reply_temperature, args.replies),
             ("replies_t1", prompts[0], 1.0, None),
-            ("replies_eval", prompts[1], 0.0, args.eval_replies)):
+            ("replies_eval", prompts[1], 0.0, args.eval_replies),
+            ("replies_eval_t1", prompts[1], 1.0, None)):
         path = out / "data" / f"{name}.jsonl"
-        if name == "replies_t1" and not args.reply_t1:
+        if name in T1_SETS and not args.reply_t1:
             continue
         if given:
             sets[name] = read_replies(given)
@@ -399,7 +412,7 @@ def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | Non
         else:
             t0 = time.time()
             if full_dir is not None:
-                replies = engine_replies(full_dir, prompt_set, args, temperature, raw=name == "replies_t1")
+                replies = engine_replies(full_dir, prompt_set, args, temperature, raw=name in T1_SETS)
             else:  # a plain loop without a KV cache: fine at toy size, slow at 4k context
                 replies = sample_replies(model, prompt_set, args.reply_tokens, temperature=temperature,
                                          seed=args.seed, eos_ids=eos_ids, batch_size=args.reply_batch,
@@ -413,10 +426,13 @@ def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | Non
         train = (list(train[0]) + list(sets["replies_t1"][0]), list(train[1]) + list(sets["replies_t1"][1]))
     elif args.reply_t1:
         train = None  # not all of it yet: another process is sampling the rest
-    return train, sets["replies_eval"]
+    return train, sets["replies_eval"], sets.get("replies_eval_t1")
 
 
-def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held, vocab):
+def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held, held_t1, vocab):
+    """Train one drafter (resuming) and export it. Evaluated on the held-out greedy replies and,
+    when given, the held-out T = 1 replies (metrics prefixed t1_): the greedy set flatters
+    tau_prob at T = 1, whose drafts meet sampled continuations."""
     from jspec.dspark import init_random_drafter
     from jspec.train import OptimConfig
     from jspec.train.checkpointing import CheckpointManager, LossLog, export_drafter, fit, resume
@@ -435,7 +451,14 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
                            target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
     eval_batch = min(args.draft_batch, len(held["tokens"]))
-    evaluate = lambda: trainer.evaluate(held, eval_batch)
+
+    def evaluate():
+        metrics = trainer.evaluate(held, eval_batch)
+        if held_t1 is not None:
+            t1 = trainer.evaluate(held_t1, min(args.draft_batch, len(held_t1["tokens"])))
+            metrics.update({f"t1_{k}": v for k, v in t1.items()})
+        return metrics
+
     before = evaluate()
     manager = CheckpointManager(out / "ckpt" / name)
     run_id = {"corpus_sha256": args.corpus_sha256, "reply_tokens": int(train["loss_mask"].sum()),
@@ -454,7 +477,10 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     log(f"{name}: {time.time() - t0:.0f} s, {trainer.state.step} steps; held-out tau_greedy "
         f"{before['tau_greedy']:.2f} -> {after['tau_greedy']:.2f}, tau_prob {before['tau_prob']:.2f} -> "
         f"{after['tau_prob']:.2f}, L1 {before['l1']:.3f} -> {after['l1']:.3f}, first-position c* "
-        f"{before['c_star_1']:.3f} -> {after['c_star_1']:.3f} (held-out replies are greedy)")
+        f"{before['c_star_1']:.3f} -> {after['c_star_1']:.3f} (greedy held-out replies)"
+        + (f"; on T = 1 replies tau_prob {before['t1_tau_prob']:.2f} -> {after['t1_tau_prob']:.2f}, "
+           f"first-position c* {before['t1_c_star_1']:.3f} -> {after['t1_c_star_1']:.3f}"
+           if held_t1 is not None else ""))
     export_drafter(trainer.drafter(), None if vocab is not None else model, export, dtype=args.export_dtype)
     log(f"{name}: exported to {export}")
     return {"untrained": before, "trained": after, "steps": trainer.state.step}
@@ -579,15 +605,17 @@ def full_target_dir(args, out: Path, vocab) -> Path | None:
 def after_target(args, out: Path, target_cfg, model, vocab, mask_id, full_dir, prompts, eos_ids,
                  target_summary):
     """Replies, then (unless --stop-after-replies) the drafters."""
-    train_pr, eval_pr = stage_replies(args, out, model, prompts, eos_ids, full_dir)
+    train_pr, eval_pr, eval_t1_pr = stage_replies(args, out, model, prompts, eos_ids, full_dir)
     if args.stop_after_replies:
         log("--stop-after-replies: done")
         return
-    missing = [n for n, r in (("training", train_pr), ("held-out", eval_pr)) if r is None]
+    missing = [n for n, r in (("training", train_pr), ("held-out", eval_pr),
+                              ("held-out T = 1", eval_t1_pr if args.reply_t1 else ())) if r is None]
     if missing:
         raise SystemExit(f"the {' and '.join(missing)} replies are not all in {out / 'data'}: sample them "
                          f"first (--reply-sets, --stop-after-replies)")
-    drafter_stages(args, out, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr, target_summary)
+    drafter_stages(args, out, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr, eval_t1_pr,
+                   target_summary)
 
 
 def light_resume(args, out: Path) -> bool:
@@ -628,7 +656,7 @@ def light_state(args, out: Path):
 
 
 def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr,
-                   target_summary):
+                   eval_t1_pr, target_summary):
     from jspec.train.data import reply_arrays
     from jspec.train.drafter import DFLASH_LOSS, DSPARK_LOSS, drafter_config
     if args.attn == "cudnn" and not cudnn_attention_works():
@@ -636,6 +664,8 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
     rows_of = vocab.docs_to_rows if vocab else (lambda docs: docs)
     train = reply_arrays(rows_of(train_pr[0]), rows_of(train_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
     held = reply_arrays(rows_of(eval_pr[0]), rows_of(eval_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
+    held_t1 = None if eval_t1_pr is None else reply_arrays(rows_of(eval_t1_pr[0]), rows_of(eval_t1_pr[1]),
+                                                           args.draft_seq_len, pad_id=args.sep_id)
     log(f"drafter data: {len(train['tokens'])} training sequences, {int(train['loss_mask'].sum()):,} reply tokens")
 
     taps = tuple(int(i) for i in args.tap_layers.split(",")) if args.tap_layers else None
@@ -648,7 +678,8 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
                               block_size=args.block_size, tap_layers=taps,
                               markov_rank=args.markov_rank, dflash=dflash)
         summary[name] = {"config": dcfg.to_hf_dict(),
-                         "metrics": stage_drafter(args, out, name, model, dcfg, loss, train, held, vocab)}
+                         "metrics": stage_drafter(args, out, name, model, dcfg, loss, train, held, held_t1,
+                                                    vocab)}
         drafter_dirs[name] = out / name
         if full_dir is not None:
             from jspec.convert.expand_vocab import expand_drafter

@@ -47,7 +47,9 @@ def trained(tmp_path_factory):
     with pytest.raises(SystemExit, match="replies are not all in"):  # the T = 1 set is not there yet
         ts.main(common + ["--reply-sets", "train,eval"])
     # the reply sets as two processes would sample them side by side (one per GPU)
-    ts.main(common + ["--stop-after-replies", "--reply-sets", "train_t1"])
+    with pytest.raises(SystemExit, match="unknown set.*eval_t2"):
+        ts.main(common + ["--stop-after-replies", "--reply-sets", "train_t1,eval_t2"])
+    ts.main(common + ["--stop-after-replies", "--reply-sets", "train_t1,eval_t1"])
     ts.main(common + ["--only-drafter", "dspark"])
     return out, first, common
 
@@ -73,8 +75,15 @@ def test_calls_resume_from_s_and_its_prompts_then_replies_then_one_drafter(train
     assert full["mask_token_id"] == 151669 and full["vocab_size"] == 151936
     t1 = [json.loads(l) for l in (out / "data" / "replies_t1.jsonl").read_text().splitlines()]
     assert [r["prompt_ids"] for r in t1] == [r["prompt_ids"] for r in replies]  # same prompts, T = 1
+    evals = [json.loads(l) for l in (out / "data" / "replies_eval.jsonl").read_text().splitlines()]
+    eval_t1 = [json.loads(l) for l in (out / "data" / "replies_eval_t1.jsonl").read_text().splitlines()]
+    assert [r["prompt_ids"] for r in eval_t1] == [r["prompt_ids"] for r in evals]  # held out, T = 1
     summary = json.loads((out / "summary_dspark.json").read_text())
     assert summary["dspark"]["metrics"]["steps"] == 3 and "dflash" not in summary
+    for stage in ("untrained", "trained"):  # evaluated on the greedy and the T = 1 held-out replies
+        m = summary["dspark"]["metrics"][stage]
+        assert {"tau_prob", "c_star_1", "t1_tau_prob", "t1_c_star_1"} <= set(m)
+        assert 1.0 <= m["t1_tau_prob"] <= 8.0 and 0.0 <= m["t1_c_star_1"] <= 1.0
     assert not (out / "dflash").exists()
     log = [json.loads(l) for l in (out / "logs" / "target.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == list(range(1, 7))
