@@ -10,7 +10,12 @@
 # CONTINUE=1 (both calls): keep the shipped S (its compact directory becomes $W/target, so the
 # target call only gathers the corpus and the prompts) and start both drafters from the shipped
 # ones: drafter training accumulates over sessions. The corpus must give S's vocabulary again
-# (the same manifest); the run stops with a named error otherwise.
+# (the same manifest); the run stops with a named error otherwise. FRESH_DRAFTERS=1 with it keeps
+# S but starts the drafters from random weights.
+# ABLATION=1 (drafters call): also train dspark_ce, DSpark's drafter on the CE-only objective, at
+# the same budget, so its tau against dspark's and dflash's isolates the L1 term. On one GPU the
+# three train in turn; with three or more GPUs side by side; two GPUs are refused. Compare from
+# the same start: with CONTINUE=1, set FRESH_DRAFTERS=1.
 # Each call writes int8 transfer shards and logs under $OUT; locally:
 #   python scripts/standin_transfer.py load --src <files_at>/xfer_target --out out/standin_raw
 # The corpus is the Python sources of the machine's standard library and site-packages (a seeded
@@ -60,7 +65,13 @@ case "${1:-}" in
   drafters)
     [ -f "$W/target/config.json" ] || { echo "no $W/target: run the target phase first (same machine)"; exit 2; }
     EVAL=(--eval-prompts-dir out/prompts --eval-limit ${EVAL_LIMIT:-100} --eval-max-tokens 256)
-    if [ "${CONTINUE:-0}" = 1 ]; then
+    NAMES=(dspark dflash)
+    if [ "${ABLATION:-0}" = 1 ]; then
+      [ "$GPUS" -eq 2 ] && { echo "ABLATION=1 runs on one GPU or on three or more, not two"; exit 2; }
+      NAMES+=(dspark_ce)
+      EVAL+=(--ablation-ce)
+    fi
+    if [ "${CONTINUE:-0}" = 1 ] && [ "${FRESH_DRAFTERS:-0}" != 1 ]; then
       for d in dspark dflash; do
         EVAL+=(--init-drafter "$d=$(python3 -m jspec.standin path standin-$d --compact)")
       done
@@ -77,17 +88,22 @@ case "${1:-}" in
       CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" "${EVAL[@]}" \
         --only-drafter dspark > "$OUT/train_dspark.log" 2>&1 &
       CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" "${EVAL[@]}" \
-        --only-drafter dflash > "$OUT/train_dflash.log" 2>&1
+        --only-drafter dflash > "$OUT/train_dflash.log" 2>&1 &
+      if [ "${ABLATION:-0}" = 1 ]; then
+        CUDA_VISIBLE_DEVICES=2 timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" "${EVAL[@]}" \
+          --only-drafter dspark_ce > "$OUT/train_dspark_ce.log" 2>&1 &
+      fi
       wait
       tail -n 8 "$OUT"/train_d*.log
     else
       # one GPU: replies (~2.5 min), then each drafter in turn with its export and engine eval
-      EVAL+=(--draft-minutes $(python3 -c "print(max(1.0, ($(left) - 160 - 2 * 100) / 120))"))
+      n=${#NAMES[@]}
+      EVAL+=(--draft-minutes $(python3 -c "print(max(1.0, ($(left) - 160 - $n * 100) / ($n * 60)))"))
       timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" "${EVAL[@]}" 2>&1 \
         | tee "$OUT/train_drafters.log"
     fi
     dirs=()
-    for d in dspark dflash; do [ -f "$W/$d/config.json" ] && dirs+=(--dir "$d=$W/$d"); done
+    for d in "${NAMES[@]}"; do [ -f "$W/$d/config.json" ] && dirs+=(--dir "$d=$W/$d"); done
     [ ${#dirs[@]} -gt 0 ] && python3 scripts/standin_transfer.py save "${dirs[@]}" --out "$OUT/xfer_drafters"
     (cd "$W" && tar czf "$OUT/drafter_logs.tgz" logs summary*.json engine_eval*.json 2>/dev/null)
     ;;

@@ -132,9 +132,12 @@ def parse_args(argv=None):
                         "these shapes for this S, e.g. the shipped one: python -m jspec.standin path "
                         "standin-dspark --compact) instead of a random init: training accumulates "
                         "over runs (repeatable)")
-    g.add_argument("--only-drafter", choices=["dspark", "dflash"],
-                   help="train and evaluate this drafter alone (the two run side by side, one per GPU; "
+    g.add_argument("--only-drafter", choices=list(DRAFTERS),
+                   help="train and evaluate this drafter alone (they run side by side, one per GPU; "
                         "summary_<name>.json and engine_eval_<name>.json)")
+    g.add_argument("--ablation-ce", action="store_true",
+                   help="also train dspark_ce: DSpark's drafter on the CE-only objective (no L1), at "
+                        "the same budget, to isolate what the L1 term does")
     g.add_argument("--eval-prompts-dir",
                    help="directory with humaneval.jsonl / mbpp.jsonl: tokens per verify step of both "
                         "drafters through the engine at T = 1 and greedy (measurement only)")
@@ -374,6 +377,11 @@ def engine_replies(full_dir: Path, prompts, args, temperature: float, raw: bool 
                          max_tokens=args.reply_tokens) for i in range(len(prompts))]
     return [r.token_ids for r in llm.generate([list(p) for p in prompts], sp)]
 
+
+# name -> (DFlash architecture?, the loss's name in jspec.train.drafter); dspark_ce is the
+# ablation (--ablation-ce)
+DRAFTERS = {"dspark": (False, "DSPARK_LOSS"), "dflash": (True, "DFLASH_LOSS"),
+            "dspark_ce": (False, "DSPARK_CE_LOSS")}
 
 REPLY_SETS = {"train": "replies", "train_t1": "replies_t1", "eval": "replies_eval",
               "eval_t1": "replies_eval_t1"}
@@ -657,8 +665,9 @@ def light_state(args, out: Path):
 
 def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr,
                    eval_t1_pr, target_summary):
+    from jspec.train import drafter as drafter_training
     from jspec.train.data import reply_arrays
-    from jspec.train.drafter import DFLASH_LOSS, DSPARK_LOSS, drafter_config
+    from jspec.train.drafter import drafter_config
     if args.attn == "cudnn" and not cudnn_attention_works():
         args.attn = "dense"
     rows_of = vocab.docs_to_rows if vocab else (lambda docs: docs)
@@ -671,9 +680,11 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
     taps = tuple(int(i) for i in args.tap_layers.split(",")) if args.tap_layers else None
     summary = {"target": target_summary}
     drafter_dirs = {}
-    for name, dflash, loss in (("dspark", False, DSPARK_LOSS), ("dflash", True, DFLASH_LOSS)):
-        if dflash and args.skip_dflash or args.only_drafter not in (None, name):
+    for name, (dflash, loss_name) in DRAFTERS.items():
+        wanted = name != "dspark_ce" or args.ablation_ce or args.only_drafter == name
+        if not wanted or dflash and args.skip_dflash or args.only_drafter not in (None, name):
             continue
+        loss = getattr(drafter_training, loss_name)
         dcfg = drafter_config(target_cfg, draft_layers=args.draft_layers, mask_token_id=mask_id,
                               block_size=args.block_size, tap_layers=taps,
                               markov_rank=args.markov_rank, dflash=dflash)

@@ -166,3 +166,23 @@ def test_a_given_s_is_kept_and_its_vocabulary_checked(trained, tmp_path):
     argv[argv.index("--corpus") + 1] = str(other_corpus)
     with pytest.raises(SystemExit, match="compact vocabulary is not the one this corpus gives"):
         ts.main(argv + ["--only-target"])
+
+
+def test_the_ce_ablation_trains_dspark_on_cross_entropy_alone(trained):
+    """--only-drafter dspark_ce: DSpark's architecture (Markov head, confidence head) on the CE-only
+    objective, beside the others in the same run directory."""
+    out, _, common = trained
+    _script("train_standin").main(common + ["--only-drafter", "dspark_ce"])
+    cfg = json.loads((out / "dspark_ce" / "config.json").read_text())
+    dspark = json.loads((out / "dspark" / "config.json").read_text())
+    assert {k: v for k, v in cfg.items() if k != "_name_or_path"} == {
+        k: v for k, v in dspark.items() if k != "_name_or_path"}  # the same drafter shape
+    summary = json.loads((out / "summary_dspark_ce.json").read_text())
+    assert summary["dspark_ce"]["metrics"]["steps"] == 3 and "dspark" not in summary
+    log = [json.loads(l) for l in (out / "logs" / "dspark_ce.jsonl").read_text().splitlines()]
+    last = [r for r in log if "loss" in r][-1]
+    assert last["loss"] == pytest.approx(last["ce"] + last["conf"], rel=1e-5)  # no L1 term
+    # ...where DSpark's own objective weighs it in (0.1 CE + 0.9 L1 + confidence BCE)
+    last = [r for r in (json.loads(l) for l in (out / "logs" / "dspark.jsonl").read_text().splitlines())
+            if "loss" in r][-1]
+    assert last["loss"] == pytest.approx(0.1 * last["ce"] + 0.9 * last["l1"] + last["conf"], rel=1e-5)

@@ -50,6 +50,9 @@ class DrafterLossConfig:
 
 DSPARK_LOSS = DrafterLossConfig()
 DFLASH_LOSS = DrafterLossConfig(ce=1.0, l1=0.0, conf=0.0)
+# The ablation between the two: DSpark's drafter (Markov and confidence heads) on DFlash's CE
+# alone (plus the confidence BCE, which trains only its own head): isolates the L1 term's effect.
+DSPARK_CE_LOSS = DrafterLossConfig(ce=1.0, l1=0.0, conf=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
