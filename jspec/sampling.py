@@ -71,7 +71,9 @@ PURPOSE_RESIDUAL = 3  # the verifier's own token at `position`: residual or bonu
 
 _MAX_SEED = 2**32
 
-CANDIDATE_TOP_K = 64  # lanes with 0 < top_k <= this use the few-pass candidate path
+# Lanes with 0 < top_k <= this use the few-pass candidate path (0: every top-k lane takes the bit
+# search; read when a program is traced, so scripts may set it first to time the two paths).
+CANDIDATE_TOP_K = 64
 
 # SamplingArrays.filter_paths: the filtering paths compiled into a program (module docstring).
 FILTER_NONE = "none"  # no lane filters: no cut at all
@@ -369,7 +371,7 @@ def processed_logprobs(logits, temperature, top_k, top_p, greedy, filter_paths: 
     if filter_paths not in FILTER_PATHS:
         raise ValueError(f"filter_paths must be one of {FILTER_PATHS}, got {filter_paths!r}")
     cut = no_cut
-    if filter_paths in (FILTER_CANDIDATE, FILTER_ALL):
+    if filter_paths in (FILTER_CANDIDATE, FILTER_ALL) and CANDIDATE_TOP_K > 0:
         cut = jnp.where(small_k, _candidate_top_k_top_p(x_f32, top_k, top_p, top_p < 1.0), no_cut)
     if filter_paths == FILTER_ALL:
         k_cut = jnp.where(large_k, _search_top_k(x_f32, top_k), no_cut)

@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0, help="0 = off (Qwen3's default: 20)")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (Qwen3's default: 0.8)")
+    ap.add_argument("--candidate-top-k", type=int, default=None,
+                    help="jspec.sampling.CANDIDATE_TOP_K (0: small top-k by bit search too)")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--taps", default="1,9,17,25,33")
     ap.add_argument("--skip-stock", action="store_true")
@@ -57,7 +59,10 @@ def main():
     from jspec.dspark import DSparkConfig, init_random_drafter
     from jspec.engine import Engine, EngineConfig
     from jspec.qwen3 import init_random
+    from jspec import sampling as sampling_module
     from jspec.sampling import SamplingArrays
+    if args.candidate_top_k is not None:  # before any program is traced
+        sampling_module.CANDIDATE_TOP_K = args.candidate_top_k
     from jspec.steps import DecodeState
 
     cfg = PRESETS[args.preset].replace(dtype="bfloat16")
@@ -65,6 +70,7 @@ def main():
            "attn_impl": args.attn_impl, "steps_per_dispatch": args.steps,
            "page_size": args.page_size, "temperature": args.temperature,
            "top_k": args.top_k, "top_p": args.top_p,
+           "candidate_top_k": sampling_module.CANDIDATE_TOP_K,
            "draft_kv_dtype": args.draft_kv_dtype, "stock": [], "spec": []}
 
     def save():

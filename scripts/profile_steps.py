@@ -972,6 +972,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0, help="0 = off (Qwen3's default: 20)")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (Qwen3's default: 0.8)")
+    ap.add_argument("--candidate-top-k", type=int, default=None,
+                    help="jspec.sampling.CANDIDATE_TOP_K (0: small top-k by bit search too)")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--taps", default="1,9,17,25,33")
     ap.add_argument("--copy-mib", type=int, default=1024, help="device copy for the bandwidth "
@@ -1004,7 +1006,10 @@ def main(argv=None) -> dict:
     from jspec.config import PRESETS
     from jspec.engine import Engine, EngineConfig
     from jspec.qwen3 import init_random
+    from jspec import sampling as sampling_module
     from jspec.sampling import SamplingArrays
+    if args.candidate_top_k is not None:  # before any program is traced
+        sampling_module.CANDIDATE_TOP_K = args.candidate_top_k
     from jspec.steps import DecodeState
 
     out_path = Path(args.out)
@@ -1016,7 +1021,9 @@ def main(argv=None) -> dict:
            "mode": "spec" if args.spec else "stock", "lanes": args.lanes, "context": args.context,
            "steps_per_dispatch": args.steps, "dispatches_profiled": args.dispatches,
            "page_size": args.page_size, "attn_impl": args.attn_impl,
-           "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+           "candidate_top_k": sampling_module.CANDIDATE_TOP_K,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "notes": []}
 
     def save():

@@ -370,3 +370,29 @@ def test_a_request_does_not_depend_on_its_lane_or_batch():
         np.testing.assert_allclose(float(logprob[0]), float(logprobs[3]), rtol=1e-6)  # fusion
         seen.add(int(token[0]))
     assert len(seen) > 1  # the position really changes the draw
+
+
+def test_bit_search_alone_serves_small_top_k(monkeypatch):
+    """CANDIDATE_TOP_K = 0 (how scripts time the bit search against the candidate path) sends a
+    Qwen3-style lane (top-k 20, top-p 0.8) through the bit search: no top_k in the program, and
+    the same law. (Traced afresh each time, so no cached trace of the default stands in.)"""
+    logits = jax.random.normal(jax.random.PRNGKey(5), (3, 4, 300)) * 2
+    arrays = SamplingArrays.from_lists([0.7, 1.0, 0.0], [20, 5, 0], [0.8, 1.0, 1.0])
+    unjitted = sampling.processed_logprobs.__wrapped__
+
+    def run():
+        args = (logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.greedy,
+                sampling.FILTER_ALL)
+        fresh = lambda *a: unjitted(*a)  # a new function: make_jaxpr caches traces per function
+        names = {e.primitive.name for e in jax.make_jaxpr(fresh, static_argnums=5)(*args).eqns}
+        return np.asarray(unjitted(*args)), names
+
+    default, names = run()
+    assert "top_k" in names
+    monkeypatch.setattr(sampling, "CANDIDATE_TOP_K", 0)
+    assert SamplingArrays.from_lists([0.7], [20], [0.8]).filter_paths == sampling.FILTER_ALL
+    searched, names = run()
+    assert "top_k" not in names
+    np.testing.assert_array_equal(np.isinf(default), np.isinf(searched))
+    np.testing.assert_allclose(default, searched, rtol=1e-6, atol=1e-6)
+    assert np.isinf(searched[0]).sum() >= 4 * (300 - 20)  # lane 0 keeps <= 20 tokens per row
