@@ -24,7 +24,7 @@ from flax import nnx
 
 from jspec.config import Qwen3Config
 from jspec.kernels.linear import linear
-from jspec.kernels.reductions import rms_norm
+from jspec.kernels.reductions import qk_norm_rope, rms_norm, rope_cos_sin, rope_rotate
 
 Array = jax.Array
 # attention(layer_idx, q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], layer_cache) -> (out [B,T,Hq,hd], layer_cache)
@@ -53,14 +53,8 @@ class RMSNorm(nnx.Module):
 
 def apply_rope(x_bthk: Array, positions_bt: Array, theta: float) -> Array:
     """Rotate-half RoPE (Hugging Face convention), computed in fp32."""
-    head_dim = x_bthk.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq
-    cos = jnp.cos(angles_btf)[:, :, None, :]
-    sin = jnp.sin(angles_btf)[:, :, None, :]
-    x = x_bthk.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    cos_btf, sin_btf = rope_cos_sin(positions_bt, x_bthk.shape[-1], theta)
+    rotated = rope_rotate(x_bthk.astype(jnp.float32), cos_btf[:, :, None, :], sin_btf[:, :, None, :])
     return rotated.astype(x_bthk.dtype)
 
 
@@ -105,8 +99,17 @@ class Attention(nnx.Module):
             del self.qkv_proj
 
     def qkv(self, x_btd: Array, positions_bt: Array) -> tuple[Array, Array, Array]:
-        """q and k stay fp32 through their norms and rope and are rounded once; so is v."""
+        """q and k stay fp32 through their norms and rope and are rounded once; so is v. On the
+        invariant route a fused projection's heads go through one kernel (reductions.qk_norm_rope)."""
         f32, dt, impl = jnp.float32, x_btd.dtype, self.linear_impl
+        Hq, Hkv = self.num_heads, self.num_kv_heads
+        if self.fused and impl == "triton":
+            qkv = project(x_btd, self.qkv_proj[...], impl)  # fp32 [B, T, Hq + 2 Hkv, hd]
+            w_qk = jnp.stack([self.q_norm.weight[...], self.k_norm.weight[...]])
+            cos, sin = rope_cos_sin(positions_bt, qkv.shape[-1], self.rope_theta)
+            out = qk_norm_rope(qkv, w_qk, cos, sin, self.q_norm.eps, Hq, Hkv, dt, impl)
+            q, k, v = jnp.split(out, [Hq, Hq + Hkv], axis=2)
+            return q, k, v
         if self.fused:
             q, k, v = jnp.split(project(x_btd, self.qkv_proj[...], impl),
                                 [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)

@@ -1,9 +1,11 @@
-"""The target's row reductions behind one interface: RMSNorm over the last dim and the
-vocabulary logsumexp behind log-probs.
+"""The target's row reductions behind one interface: RMSNorm over the last dim, the vocabulary
+logsumexp behind log-probs, and the q/k head norms with RoPE after the fused qkv projection.
 
     rms_norm(x[..., D], w[D], eps, out_dtype=None, impl) -> [..., D] (w's dtype, or fp32)
     logsumexp(x[..., V], impl)                           -> fp32 [...]
     token_logprobs(logits[..., V], tokens[...], impl)    -> fp32 [...]
+    qk_norm_rope(qkv[..., H, hd], w_qk[2, hd], cos, sin, eps, Hq, Hkv, out_dtype, impl)
+                                                         -> out_dtype [..., H, hd]
 
   "xla"     today's math, op for op (the default; the CPU path and the test oracle). XLA picks a
             reduction's algorithm by shape, so a row's bits depend on how many rows it shares
@@ -96,3 +98,51 @@ def token_logprobs(logits, tokens, impl: str = "xla"):
         raise _bad_impl(impl)
     picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
     return picked - logsumexp(logits, impl)
+
+
+# ---- q/k head norms and RoPE -------------------------------------------------------------------
+
+def rope_cos_sin(positions, head_dim: int, theta: float):
+    """positions [...] -> (cos, sin) fp32 [..., head_dim / 2] of rotate-half RoPE (Hugging Face
+    convention): angle = position * theta^(-2i / head_dim)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_rotate(x, cos, sin):
+    """x [..., hd] (fp32) rotated by cos / sin broadcastable to [..., hd / 2]."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def qk_norm_rope_xla(qkv, w_qk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
+                     out_dtype):
+    """The model's math (qwen3.Attention.qkv): q and k heads RMS-normed in fp32 with q_norm /
+    k_norm (w_qk[0] / w_qk[1]), rotated in fp32, and rounded once with v."""
+    f32 = jnp.float32
+    q, k, v = jnp.split(qkv.astype(f32), [num_q_heads, num_q_heads + num_kv_heads], axis=-2)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    q = rope_rotate(rms_norm_xla(q, w_qk[0], eps, f32), cos, sin)
+    k = rope_rotate(rms_norm_xla(k, w_qk[1], eps, f32), cos, sin)
+    return jnp.concatenate([q, k, v], axis=-2).astype(out_dtype)
+
+
+def qk_norm_rope(qkv, w_qk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
+                 out_dtype, impl: str = "xla"):
+    """qkv [..., Hq + 2 Hkv, hd] (the fused projection's fp32 output), w_qk [2, hd], cos / sin
+    [..., hd / 2] (rope_cos_sin of the rows' positions) -> out_dtype [..., Hq + 2 Hkv, hd]. "triton":
+    one kernel for all heads of a row (rowwise_triton.qk_norm_rope_triton) instead of two norm
+    kernels and the XLA fusions around them."""
+    if impl == "xla":
+        return qk_norm_rope_xla(qkv, w_qk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
+    if impl == "triton":
+        check_impl(impl)
+        from jspec.kernels.rowwise_triton import qk_norm_rope_triton
+        lead, half = qkv.shape[:-2], cos.shape[-1]
+        with jax.named_scope("qk_norm_rope_bi"):
+            y = qk_norm_rope_triton(qkv.reshape((-1,) + qkv.shape[-2:]), w_qk,
+                                    cos.reshape(-1, half), sin.reshape(-1, half), eps,
+                                    num_q_heads, num_kv_heads, out_dtype)
+        return y.reshape(lead + qkv.shape[-2:])
+    raise _bad_impl(impl)

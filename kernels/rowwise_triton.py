@@ -1,5 +1,5 @@
 """Batch-invariant row reductions on the GPU (Triton through jax-triton): RMSNorm over the last
-dim and logsumexp over a vocabulary row.
+dim, logsumexp over a vocabulary row, and Qwen3's q/k head norms fused with RoPE.
 
 Why they exist: XLA picks a reduction's algorithm (threads per row, tree shape, whether rows are
 split across blocks) by shape, so row r of a norm or a log-softmax gets different fp32 bits when
@@ -16,6 +16,13 @@ verify and decode. Here:
 The cost of one program per row is latency when M is small: a 151936-wide logsumexp at M = 1
 walks its row on one SM (tens of microseconds), which batch-invariant mode accepts.
 The XLA twins (today's math, not batch-invariant) are in kernels/reductions.py.
+
+The fused q/k step (`_qk_norm_rope_kernel`) exists for launch count, not invariance: in a decode
+step each of the 36 layers ran a q-norm kernel, a k-norm kernel and 3-4 small XLA fusions (RoPE,
+the split and the casts) at 1-1.75 us each, about 0.25 ms of a 5.7 ms step on the H200
+(docs/benchmarks.md). One program per (row, head) does a head's whole path: q and k heads are
+normalised exactly as `_rms_norm_kernel` does with F32_OUT, rotated with the cos / sin rows
+given, and rounded once; v heads are only rounded.
 """
 
 from __future__ import annotations
@@ -83,15 +90,48 @@ def _logsumexp_kernel(x_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
     tl.store(lse_ptr + row, shift_row + tl.log(total))
 
 
+def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, H: tl.constexpr,
+                         HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
+                         EPS: tl.constexpr):
+    """y[row, h] for one head of the fused qkv projection x [M, H = HQ + 2 HKV, HD] (fp32): a q
+    head (h < HQ) or a k head gets RMSNorm with its weight row (w [2, HD]: q_norm, k_norm) in
+    fp32, then rotate-half RoPE with cos / sin [M, HD / 2]; a v head is copied. One rounding, at
+    the store. Each lane also normalises its rotation partner (lane d pairs with d +- HD / 2)
+    from a second load, rather than shuffling registers: the same ops on the same values give
+    the partner's exact bits."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    HALF: tl.constexpr = HD // 2
+    base = (row * H + h) * HD
+    cols = tl.arange(0, HD)
+    x = tl.load(x_ptr + base + cols).to(tl.float32)
+    if h < HQ + HKV:
+        partner = (cols + HALF) % HD
+        x_partner = tl.load(x_ptr + base + partner).to(tl.float32)
+        mean_sq = tl.div_rn(tl.sum(x * x, axis=0), HD * 1.0)  # as _rms_norm_kernel
+        inv_rms = tl.rsqrt(mean_sq + EPS)
+        w_row = w_ptr + (h >= HQ).to(tl.int64) * HD
+        y = tl.load(w_row + cols).to(tl.float32) * (x * inv_rms)
+        y_partner = tl.load(w_row + partner).to(tl.float32) * (x_partner * inv_rms)
+        c = tl.load(cos_ptr + row * HALF + cols % HALF)
+        s = tl.load(sin_ptr + row * HALF + cols % HALF)
+        # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (the partner is x2, x1)
+        out = y * c + y_partner * tl.where(cols < HALF, -s, s)
+    else:
+        out = x
+    tl.store(y_ptr + base + cols, out.to(y_ptr.dtype.element_ty))
+
+
 _KERNELS = None
 
 
 def _kernels():
-    """(rms_norm, logsumexp), triton.jit at first use (Triton decides then between compiling and
-    interpreting)."""
+    """(rms_norm, logsumexp, qk_norm_rope), triton.jit at first use (Triton decides then between
+    compiling and interpreting)."""
     global _KERNELS
     if _KERNELS is None:
-        _KERNELS = (triton.jit(_rms_norm_kernel), triton.jit(_logsumexp_kernel))
+        _KERNELS = (triton.jit(_rms_norm_kernel), triton.jit(_logsumexp_kernel),
+                    triton.jit(_qk_norm_rope_kernel))
     return _KERNELS
 
 
@@ -125,6 +165,38 @@ def plan_rms_norm(M: int, D: int) -> RowPlan:
 def plan_logsumexp(M: int, V: int) -> RowPlan:
     _check_rows(M, V, "logsumexp")
     return RowPlan(M=M, length=V, block=BLOCK_V, num_warps=LSE_NUM_WARPS)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPlan:
+    """The fused q/k step: one program per (row, head); nothing depends on M but the grid."""
+    M: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_warps: int = RMS_NUM_WARPS
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_q_heads + 2 * self.num_kv_heads
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.M, self.num_heads)
+
+
+def plan_qk_norm_rope(M: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> HeadPlan:
+    _check_rows(M, head_dim, "qk_norm_rope")
+    if num_q_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"qk_norm_rope: need q and kv heads, got {num_q_heads} and {num_kv_heads}")
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"qk_norm_rope: head_dim must be a power of two >= 2, got {head_dim}")
+    return HeadPlan(M=M, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+def qk_norm_rope_constexprs(plan: HeadPlan, eps: float) -> dict:
+    return dict(H=plan.num_heads, HQ=plan.num_q_heads, HKV=plan.num_kv_heads, HD=plan.head_dim,
+                EPS=float(eps))
 
 
 def rms_norm_constexprs(plan: RowPlan, eps: float, f32_out: bool) -> dict:
@@ -169,6 +241,38 @@ def logsumexp_triton(x):
         num_warps=plan.num_warps, num_stages=1, **logsumexp_constexprs(plan))
 
 
+def _check_qk_operands(x, w_qk, cos, sin, num_q_heads: int, num_kv_heads: int) -> HeadPlan:
+    if x.ndim != 3 or x.shape[1] != num_q_heads + 2 * num_kv_heads:
+        raise ValueError(f"qk_norm_rope: x must be [M, {num_q_heads} + 2 x {num_kv_heads} heads, "
+                         f"head_dim], got {tuple(x.shape)}")
+    M, _, hd = x.shape
+    plan = plan_qk_norm_rope(M, num_q_heads, num_kv_heads, hd)
+    if tuple(w_qk.shape) != (2, hd):
+        raise ValueError(f"qk_norm_rope: w_qk must be [2, {hd}] (q_norm, k_norm), got "
+                         f"{tuple(w_qk.shape)}")
+    for name, a in (("cos", cos), ("sin", sin)):
+        if tuple(a.shape) != (M, hd // 2):
+            raise ValueError(f"qk_norm_rope: {name} must be [{M}, {hd // 2}], got {tuple(a.shape)}")
+    return plan
+
+
+def qk_norm_rope_triton(x, w_qk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
+                        out_dtype):
+    """x fp32 [M, Hq + 2 Hkv, hd] (the fused qkv projection), w_qk [2, hd] (q_norm, k_norm),
+    cos / sin fp32 [M, hd / 2] -> out_dtype [M, Hq + 2 Hkv, hd]: q and k normed and rotated, v
+    as is; batch-invariant (one program per row and head)."""
+    import jax
+    import jax.numpy as jnp
+    from jspec.kernels.triton_ffi import triton_call
+
+    plan = _check_qk_operands(x, w_qk, cos, sin, num_q_heads, num_kv_heads)
+    return triton_call(
+        x.astype(jnp.float32), w_qk, cos.astype(jnp.float32), sin.astype(jnp.float32),
+        kernel=_kernels()[2], name="qk_norm_rope_bi",
+        out_shape=jax.ShapeDtypeStruct(x.shape, out_dtype), grid=plan.grid,
+        num_warps=plan.num_warps, num_stages=1, **qk_norm_rope_constexprs(plan, eps))
+
+
 # ---- torch twins: Triton's CPU interpreter (tests) or a CUDA torch build -----------------------
 
 def interpreter_enabled() -> bool:
@@ -202,3 +306,16 @@ def logsumexp_launch_torch(x):
     _kernels()[1][plan.grid](x.contiguous(), lse, num_warps=plan.num_warps, num_stages=1,
                              **logsumexp_constexprs(plan))
     return lse
+
+
+def qk_norm_rope_launch_torch(x, w_qk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
+                              out_dtype):
+    import torch
+
+    _check_torch_device(x)
+    plan = _check_qk_operands(x, w_qk, cos, sin, num_q_heads, num_kv_heads)
+    y = torch.full(x.shape, float("nan"), dtype=out_dtype, device=x.device)
+    _kernels()[2][plan.grid](x.float().contiguous(), w_qk.contiguous(), cos.float().contiguous(),
+                             sin.float().contiguous(), y, num_warps=plan.num_warps, num_stages=1,
+                             **qk_norm_rope_constexprs(plan, eps))
+    return y

@@ -1,5 +1,6 @@
 """Batch invariance on the GPU (marked `gpu`; run on the H200 with `pytest -m gpu`): the Triton
-linear kernel, the row reductions (RMSNorm, logsumexp) and the attention kernel's invariant plan
+linear kernel, the row reductions (RMSNorm, logsumexp, the fused q/k norms with RoPE) and the
+attention kernel's invariant plan
 give a row the same bits alone and among others, and an engine built with `batch_invariant=True`
 teacher-forces the same log-probs through speculative verify (blocks of 8) as through stock
 decode: the bench's fixed-text gate at exactly zero. The CPU suite checks the same contracts
@@ -62,6 +63,33 @@ def test_rms_norm_triton_rows_invariant_and_close(D, f32_out, x_dtype):
     else:
         assert (busy == ref).mean() > 0.99
         np.testing.assert_allclose(busy, ref, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (4, 2)], ids=["qwen3_8b", "group2"])
+def test_qk_norm_rope_triton_rows_invariant_and_close(heads):
+    """The fused q/k step: rows of M = 1 and M = 8 equal those of M = 256 bit for bit; v heads are
+    the twin's bits, q/k heads the twin's up to rare one-step bf16 rounding flips."""
+    from jspec.kernels.reductions import qk_norm_rope_xla, rope_cos_sin
+    from jspec.kernels.rowwise_triton import qk_norm_rope_triton
+    Hq, Hkv = heads
+    H, hd = Hq + 2 * Hkv, 128
+    kx, kw, kp = jax.random.split(jax.random.PRNGKey(Hq), 3)
+    x = 4 * jax.random.normal(kx, (256, H, hd), jnp.float32)
+    w_qk = (1 + 0.3 * jax.random.normal(kw, (2, hd), jnp.float32)).astype(jnp.bfloat16)
+    cos, sin = rope_cos_sin(jax.random.randint(kp, (256,), 0, 40000), hd, 1e6)
+    f = jax.jit(functools.partial(qk_norm_rope_triton, eps=1e-6, num_q_heads=Hq,
+                                  num_kv_heads=Hkv, out_dtype=jnp.bfloat16))
+    busy = np.asarray(f(x, w_qk, cos, sin).astype(jnp.float32))
+    for m in (1, 8):
+        np.testing.assert_array_equal(
+            np.asarray(f(x[:m], w_qk, cos[:m], sin[:m]).astype(jnp.float32)), busy[:m])
+    twin = jax.jit(functools.partial(qk_norm_rope_xla, eps=1e-6, num_q_heads=Hq,
+                                     num_kv_heads=Hkv, out_dtype=jnp.bfloat16))
+    ref = np.asarray(twin(x, w_qk, cos, sin).astype(jnp.float32))
+    np.testing.assert_array_equal(busy[:, Hq + Hkv:], ref[:, Hq + Hkv:])
+    assert (busy == ref).mean() > 0.98
+    scale = np.abs(ref).max(axis=-1, keepdims=True)
+    assert (np.abs(busy - ref) <= 2 ** -7 * np.maximum(np.abs(ref), 1e-3 * scale)).all()
 
 
 def test_logsumexp_triton_rows_invariant_and_close():

@@ -30,6 +30,10 @@ RMS_SHAPES = [(1, 128, "float32", "bfloat16", True), (5, 128, "float32", "bfloat
 # (M, V, dtype): the real vocabulary, one partial step, an exact multiple of BLOCK_V, a tail.
 LSE_SHAPES = [(1, 151936, "float32"), (3, 1000, "float32"), (2, 8192, "bfloat16"),
               (33, 5000, "float32")]
+# (M, Hq, Hkv, hd, out dtype): Qwen3-8B's heads at decode and at a verify block, GQA groups of
+# 2 and 4, small and 64-wide heads, fp32 output.
+QK_SHAPES = [(1, 32, 8, 128, "bfloat16"), (8, 4, 2, 128, "bfloat16"), (3, 2, 1, 16, "float32"),
+             (5, 8, 2, 64, "bfloat16")]
 INVARIANCE_ROWS = (1, 5, 16, 33)  # the same first row among these many rows
 INV_D, INV_V = 4096, 151936
 
@@ -54,6 +58,32 @@ def _lse_inputs(i, M, V, dtype):
     if M > 1:
         x[1, ::7] = -np.inf
     return _bf16(x) if dtype == "bfloat16" else x
+
+
+def _qk_inputs(i, M, Hq, Hkv, hd):
+    """The fused projection's fp32 output (heads of varied scale), bf16 norm weights, and the
+    cos / sin rows of random positions (fp32, as reductions.rope_cos_sin makes them)."""
+    rng = np.random.default_rng(300 + i)
+    H = Hq + 2 * Hkv
+    x = (rng.normal(size=(M, H, hd)) * rng.uniform(0.1, 20, size=(M, H, 1))).astype(np.float32)
+    w_qk = _bf16(rng.normal(1.0, 0.3, size=(2, hd)).astype(np.float32))
+    positions = rng.integers(0, 40000, M)
+    inv_freq = (1.0 / (1e6 ** (np.arange(0, hd, 2, dtype=np.float32) / hd))).astype(np.float32)
+    angles = positions.astype(np.float32)[:, None] * inv_freq
+    return x, w_qk, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _qk_float64(x, w_qk, cos, sin, Hq, Hkv):
+    x64 = x.astype(np.float64)
+    out = x64.copy()
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :].astype(np.float64), sin[:, None, :].astype(np.float64)
+    for lo, hi, w in ((0, Hq, w_qk[0]), (Hq, Hq + Hkv, w_qk[1])):
+        a = x64[:, lo:hi]
+        a = w.astype(np.float64) * a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + EPS)
+        a1, a2 = a[..., :half], a[..., half:]
+        out[:, lo:hi] = np.concatenate([a1 * c - a2 * s, a2 * c + a1 * s], axis=-1)
+    return out
 
 
 def _rms_float64(x, w, f32_out):
@@ -118,12 +148,42 @@ def test_logsumexp_interpreted_matches_float64(interpreted, index):
     np.testing.assert_allclose(got, np.asarray(logsumexp_xla(jnp.asarray(x))), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("index", range(len(QK_SHAPES)),
+                         ids=[f"M{m}_q{hq}_kv{hkv}_hd{hd}_{d[:2]}" for m, hq, hkv, hd, d in QK_SHAPES])
+def test_qk_norm_rope_interpreted_matches_xla_twin(interpreted, index):
+    """The fused q/k step against its XLA twin (the model's own math): v heads are the same bits;
+    q and k heads with an fp32 output agree to a few ulps (the rotation's multiply-adds may
+    contract differently), rounded to bf16 almost everywhere equal and within one step elsewhere.
+    Against float64 in any case."""
+    import jax.numpy as jnp
+
+    from jspec.kernels.reductions import qk_norm_rope_xla
+    M, Hq, Hkv, hd, dtype = QK_SHAPES[index]
+    x, w_qk, cos, sin = _qk_inputs(index, M, Hq, Hkv, hd)
+    got = interpreted[f"qk{index}"]
+    assert got.shape == x.shape and np.isfinite(got).all()  # every element written
+    twin = np.asarray(qk_norm_rope_xla(jnp.asarray(x), jnp.asarray(w_qk, jnp.bfloat16),
+                                       jnp.asarray(cos), jnp.asarray(sin), EPS, Hq, Hkv,
+                                       jnp.dtype(dtype)).astype(jnp.float32))
+    want = _qk_float64(x, w_qk, cos, sin, Hq, Hkv)
+    v = slice(Hq + Hkv, None)
+    np.testing.assert_array_equal(got[:, v], twin[:, v])
+    scale = np.abs(want).max(axis=-1, keepdims=True)  # rotations cancel: compare per head
+    if dtype == "float32":
+        np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * scale.max())
+        assert (np.abs(got - want) <= 1e-5 * scale).all()
+    else:
+        assert (got == twin).mean() > 0.98
+        assert (np.abs(got - twin) <= 2 ** -7 * np.maximum(np.abs(twin), 1e-3 * scale)).all()
+        assert (np.abs(got - want) <= 2 ** -7 * scale).all()
+
+
 def test_rows_are_batch_invariant(interpreted):
     """Row 0 alone and among 5, 16 or 33 rows: the same bits, for both kernels and both RMSNorm
     output modes (the interpreter runs each program with numpy, so this checks the contract
     that matters here: one row per program, no state shared across rows, plans fixed by the
     row length)."""
-    for key in ("rms_inv_wdt", "rms_inv_f32", "lse_inv"):
+    for key in ("rms_inv_wdt", "rms_inv_f32", "lse_inv", "qk_inv"):
         first = interpreted[f"{key}1"][0]
         for m in INVARIANCE_ROWS[1:]:
             np.testing.assert_array_equal(interpreted[f"{key}{m}"][0], first, err_msg=f"{key}{m}")
@@ -233,7 +293,7 @@ def kernels_on_xla(monkeypatch):
     import jspec.kernels.reductions as red
     import jspec.kernels.rowwise_triton as rw
     from jspec.kernels.linear import linear_xla
-    calls = {"linear": [], "rms_norm": [], "logsumexp": []}
+    calls = {"linear": [], "rms_norm": [], "logsumexp": [], "qk_norm_rope": []}
 
     def linear(x, w, **kw):
         calls["linear"].append(x.shape)
@@ -249,7 +309,13 @@ def kernels_on_xla(monkeypatch):
         calls["logsumexp"].append(x.shape)
         return red.logsumexp_xla(x)
 
+    def qk(x, w_qk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype):
+        rw._check_qk_operands(x, w_qk, cos, sin, num_q_heads, num_kv_heads)
+        calls["qk_norm_rope"].append(x.shape)
+        return red.qk_norm_rope_xla(x, w_qk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
+
     monkeypatch.setattr(lt, "linear_triton", linear)
+    monkeypatch.setattr(rw, "qk_norm_rope_triton", qk)
     monkeypatch.setattr(rw, "rms_norm_triton", rms)
     monkeypatch.setattr(rw, "logsumexp_triton", lse)
     monkeypatch.setattr(red, "check_impl", lambda impl: None)
@@ -257,9 +323,10 @@ def kernels_on_xla(monkeypatch):
 
 
 def test_model_norms_follow_linear_impl(kernels_on_xla):
-    """fuse_projections(linear_impl="triton") puts every norm of the target (4 per layer and the
-    final one) on the invariant route with the right operands, the model computes the same
-    logits, and a drafter (fused with the default route) keeps all its norms on XLA."""
+    """fuse_projections(linear_impl="triton") puts every norm of the target on the invariant
+    route with the right operands (per layer the two hidden-state norms, and q/k's norms fused
+    with RoPE in one call over all heads; the final norm), the model computes the same logits,
+    and a drafter (fused with the default route) keeps all its norms on XLA."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -274,9 +341,10 @@ def test_model_norms_follow_linear_impl(kernels_on_xla):
     got, _ = forward_logits(model, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     rows, D, hd = 2 * 5, cfg.hidden_size, cfg.head_dim
-    per_layer = [((rows, D), False), ((rows * cfg.num_heads, hd), True),
-                 ((rows * cfg.num_kv_heads, hd), True), ((rows, D), False)]
+    per_layer = [((rows, D), False), ((rows, D), False)]
     assert kernels_on_xla["rms_norm"] == per_layer * cfg.num_layers + [((rows, D), False)]
+    heads = cfg.num_heads + 2 * cfg.num_kv_heads
+    assert kernels_on_xla["qk_norm_rope"] == [(rows, heads, hd)] * cfg.num_layers
     unfuse_projections(model)
     norms = [m for _, m in nnx.iter_graph(model) if type(m).__name__ == "RMSNorm"]
     assert len(norms) == 4 * cfg.num_layers + 1 and all(n.impl == "xla" for n in norms)
@@ -376,6 +444,89 @@ def test_rms_norm_compiles_for_sm90(D, x_type, f32_out):
     assert f32_out or "cvt.rn.bf16" in ptx  # round to nearest even before the scale
 
 
+def test_qk_norm_rope_compiles_for_sm90():
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.rowwise_triton import (_kernels, interpreter_enabled, plan_qk_norm_rope,
+                                              qk_norm_rope_constexprs)
+    if interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET is set for this process")
+    plan = plan_qk_norm_rope(256, 32, 8, 128)
+    signature = dict(x_ptr="*fp32", w_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32",
+                     y_ptr="*bf16")
+    try:
+        compiled, ptx, spills = _compile_sm90(_kernels()[2], signature,
+                                              qk_norm_rope_constexprs(plan, EPS), plan.num_warps)
+    except ImportError as e:
+        pytest.skip(f"no NVIDIA backend in this triton: {e}")
+    assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
+    assert "div.rn.f32" in ptx and "cvt.rn.bf16" in ptx  # the norm's mean; one rounding
+
+
+def test_qk_plan_and_operands_are_checked():
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.rowwise_triton import _check_qk_operands, plan_qk_norm_rope
+    assert plan_qk_norm_rope(7, 32, 8, 128).grid == (7, 48)
+    for bad, match in (((0, 4, 2, 128), "empty"), ((1, 4, 0, 128), "q and kv heads"),
+                       ((1, 4, 2, 96), "power of two")):
+        with pytest.raises(ValueError, match=match):
+            plan_qk_norm_rope(*bad)
+    x, w, cs = np.zeros((3, 8, 16)), np.zeros((2, 16)), np.zeros((3, 8))
+    _check_qk_operands(x, w, cs, cs, 4, 2)
+    for args, match in (((np.zeros((3, 9, 16)), w, cs, cs), "heads"),
+                        ((x, np.zeros((16,)), cs, cs), "w_qk"),
+                        ((x, w, np.zeros((3, 16)), cs), "cos")):
+        with pytest.raises(ValueError, match=match):
+            _check_qk_operands(*args, 4, 2)
+
+
+def _todays_apply_rope(x_bthk, positions_bt, theta):
+    """qwen3.apply_rope before rope_cos_sin / rope_rotate were factored out, verbatim."""
+    import jax.numpy as jnp
+    head_dim = x_bthk.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    cos = jnp.cos(angles_btf)[:, :, None, :]
+    sin = jnp.sin(angles_btf)[:, :, None, :]
+    x = x_bthk.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_bthk.dtype)
+
+
+def test_xla_rope_and_the_twin_are_the_models_math_bit_for_bit():
+    """apply_rope is today's RoPE bit for bit, and qk_norm_rope_xla (the fused kernel's twin) is
+    what Attention.qkv computes on the XLA route."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.config import PRESETS
+    from jspec.kernels.reductions import qk_norm_rope_xla, rope_cos_sin
+    from jspec.qwen3 import apply_rope, init_random, project
+    cfg = PRESETS["tiny-untied"].replace(dtype="bfloat16")
+    attn = init_random(cfg, seed=4).layers[0].self_attn
+    attn.fuse()
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(2, 3, cfg.hidden_size)), jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, 5000, (2, 3)), jnp.int32)
+    q32 = jnp.asarray(rng.normal(size=(2, 3, cfg.num_heads, cfg.head_dim)) * 3, jnp.float32)
+    for a, b in ((apply_rope, _todays_apply_rope),):
+        np.testing.assert_array_equal(np.asarray(jax.jit(a, static_argnums=2)(q32, positions, 1e6)),
+                                      np.asarray(jax.jit(b, static_argnums=2)(q32, positions, 1e6)))
+
+    def twin(x, positions):
+        qkv = project(x, attn.qkv_proj[...])
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, attn.rope_theta)
+        w_qk = jnp.stack([attn.q_norm.weight[...], attn.k_norm.weight[...]])
+        out = qk_norm_rope_xla(qkv, w_qk, cos, sin, attn.q_norm.eps, cfg.num_heads,
+                               cfg.num_kv_heads, x.dtype)
+        return jnp.split(out, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
+
+    for got, want in zip(jax.jit(twin)(x, positions), jax.jit(attn.qkv)(x, positions)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_logsumexp_compiles_for_sm90():
     if not _triton_available():
         pytest.skip("triton not installed")
@@ -417,7 +568,8 @@ def _interpret_worker(work: Path) -> None:
     from test_kernels_attention import _patch_interpreter
     _patch_interpreter()  # the scalar __index__ fix
     _rtne_bf16_casts()
-    from jspec.kernels.rowwise_triton import logsumexp_launch_torch, rms_norm_launch_torch
+    from jspec.kernels.rowwise_triton import (logsumexp_launch_torch, qk_norm_rope_launch_torch,
+                                              rms_norm_launch_torch)
 
     def t(a, dtype):
         return torch.from_numpy(np.ascontiguousarray(a)).to(
@@ -430,6 +582,16 @@ def _interpret_worker(work: Path) -> None:
                                                f32_out).float().numpy()
     for i, (M, V, dtype) in enumerate(LSE_SHAPES):
         out[f"lse{i}"] = logsumexp_launch_torch(t(_lse_inputs(i, M, V, dtype), dtype)).numpy()
+    for i, (M, Hq, Hkv, hd, dtype) in enumerate(QK_SHAPES):
+        x, w_qk, cos, sin = _qk_inputs(i, M, Hq, Hkv, hd)
+        out[f"qk{i}"] = qk_norm_rope_launch_torch(
+            t(x, "float32"), t(w_qk, "bfloat16"), t(cos, "float32"), t(sin, "float32"), EPS, Hq,
+            Hkv, torch.bfloat16 if dtype == "bfloat16" else torch.float32).float().numpy()
+    qx, qw, qcos, qsin = _qk_inputs(99, max(INVARIANCE_ROWS), 4, 2, 128)
+    for m in INVARIANCE_ROWS:
+        out[f"qk_inv{m}"] = qk_norm_rope_launch_torch(
+            t(qx[:m], "float32"), t(qw, "bfloat16"), t(qcos[:m], "float32"), t(qsin[:m], "float32"),
+            EPS, 4, 2, torch.bfloat16).float().numpy()
     x, w = _rms_inputs(99, max(INVARIANCE_ROWS), INV_D, "float32", "bfloat16")
     logits = _lse_inputs(99, max(INVARIANCE_ROWS), INV_V, "float32")
     for m in INVARIANCE_ROWS:

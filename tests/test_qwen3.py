@@ -309,11 +309,12 @@ def test_linear_impl_plumbing_gives_the_same_model(hf_tiny_dirs, monkeypatch):
         return linear_xla(x, w)
 
     monkeypatch.setattr(lt, "linear_triton", stand_in)
-    # The norms follow the matmul route (qwen3._set_linear_impl): their kernel is GPU-only too.
+    # The norms follow the matmul route (qwen3._set_linear_impl): their kernels are GPU-only too.
     import jspec.kernels.reductions as red
     import jspec.kernels.rowwise_triton as rw
     monkeypatch.setattr(rw, "rms_norm_triton", lambda x, w, eps, f32_out=False: red.rms_norm_xla(
         x, w, eps, jnp.float32 if f32_out else None))
+    monkeypatch.setattr(rw, "qk_norm_rope_triton", red.qk_norm_rope_xla)
     monkeypatch.setattr(red, "check_impl", lambda impl: None)
     cfg, model = load_model(hf_tiny_dirs["tiny-untied"])
     tokens = jnp.asarray(_tokens(cfg))
