@@ -105,9 +105,9 @@ class Attention(nnx.Module):
         Hq, Hkv = self.num_heads, self.num_kv_heads
         if self.fused and impl == "triton":
             qkv = project(x_btd, self.qkv_proj[...], impl)  # fp32 [B, T, Hq + 2 Hkv, hd]
-            w_qk = jnp.stack([self.q_norm.weight[...], self.k_norm.weight[...]])
             cos, sin = rope_cos_sin(positions_bt, qkv.shape[-1], self.rope_theta)
-            out = qk_norm_rope(qkv, w_qk, cos, sin, self.q_norm.eps, Hq, Hkv, dt, impl)
+            out = qk_norm_rope(qkv, self.q_norm.weight[...], self.k_norm.weight[...], cos, sin,
+                               self.q_norm.eps, Hq, Hkv, dt, impl)
             q, k, v = jnp.split(out, [Hq, Hq + Hkv], axis=2)
             return q, k, v
         if self.fused:

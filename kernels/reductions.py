@@ -4,7 +4,7 @@ logsumexp behind log-probs, and the q/k head norms with RoPE after the fused qkv
     rms_norm(x[..., D], w[D], eps, out_dtype=None, impl) -> [..., D] (w's dtype, or fp32)
     logsumexp(x[..., V], impl)                           -> fp32 [...]
     token_logprobs(logits[..., V], tokens[...], impl)    -> fp32 [...]
-    qk_norm_rope(qkv[..., H, hd], w_qk[2, hd], cos, sin, eps, Hq, Hkv, out_dtype, impl)
+    qk_norm_rope(qkv[..., H, hd], wq[hd], wk[hd], cos, sin, eps, Hq, Hkv, out_dtype, impl)
                                                          -> out_dtype [..., H, hd]
 
   "xla"     today's math, op for op (the default; the CPU path and the test oracle). XLA picks a
@@ -116,32 +116,33 @@ def rope_rotate(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def qk_norm_rope_xla(qkv, w_qk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
+def qk_norm_rope_xla(qkv, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
                      out_dtype):
     """The model's math (qwen3.Attention.qkv): q and k heads RMS-normed in fp32 with q_norm /
-    k_norm (w_qk[0] / w_qk[1]), rotated in fp32, and rounded once with v."""
+    k_norm (wq / wk), rotated in fp32, and rounded once with v."""
     f32 = jnp.float32
     q, k, v = jnp.split(qkv.astype(f32), [num_q_heads, num_q_heads + num_kv_heads], axis=-2)
     cos, sin = cos[..., None, :], sin[..., None, :]
-    q = rope_rotate(rms_norm_xla(q, w_qk[0], eps, f32), cos, sin)
-    k = rope_rotate(rms_norm_xla(k, w_qk[1], eps, f32), cos, sin)
+    q = rope_rotate(rms_norm_xla(q, wq, eps, f32), cos, sin)
+    k = rope_rotate(rms_norm_xla(k, wk, eps, f32), cos, sin)
     return jnp.concatenate([q, k, v], axis=-2).astype(out_dtype)
 
 
-def qk_norm_rope(qkv, w_qk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
+def qk_norm_rope(qkv, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
                  out_dtype, impl: str = "xla"):
-    """qkv [..., Hq + 2 Hkv, hd] (the fused projection's fp32 output), w_qk [2, hd], cos / sin
+    """qkv [..., Hq + 2 Hkv, hd] (the fused projection's fp32 output), wq / wk [hd] (q_norm,
+    k_norm), cos / sin
     [..., hd / 2] (rope_cos_sin of the rows' positions) -> out_dtype [..., Hq + 2 Hkv, hd]. "triton":
     one kernel for all heads of a row (rowwise_triton.qk_norm_rope_triton) instead of two norm
     kernels and the XLA fusions around them."""
     if impl == "xla":
-        return qk_norm_rope_xla(qkv, w_qk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
+        return qk_norm_rope_xla(qkv, wq, wk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
     if impl == "triton":
         check_impl(impl)
         from jspec.kernels.rowwise_triton import qk_norm_rope_triton
         lead, half = qkv.shape[:-2], cos.shape[-1]
         with jax.named_scope("qk_norm_rope_bi"):
-            y = qk_norm_rope_triton(qkv.reshape((-1,) + qkv.shape[-2:]), w_qk,
+            y = qk_norm_rope_triton(qkv.reshape((-1,) + qkv.shape[-2:]), wq, wk,
                                     cos.reshape(-1, half), sin.reshape(-1, half), eps,
                                     num_q_heads, num_kv_heads, out_dtype)
         return y.reshape(lead + qkv.shape[-2:])

@@ -90,11 +90,11 @@ def _logsumexp_kernel(x_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
     tl.store(lse_ptr + row, shift_row + tl.log(total))
 
 
-def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, H: tl.constexpr,
+def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, H: tl.constexpr,
                          HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
                          EPS: tl.constexpr):
     """y[row, h] for one head of the fused qkv projection x [M, H = HQ + 2 HKV, HD] (fp32): a q
-    head (h < HQ) or a k head gets RMSNorm with its weight row (w [2, HD]: q_norm, k_norm) in
+    head (h < HQ) or a k head gets RMSNorm with its weight (wq or wk [HD]: q_norm, k_norm) in
     fp32, then rotate-half RoPE with cos / sin [M, HD / 2]; a v head is copied. One rounding, at
     the store. Each lane also normalises its rotation partner (lane d pairs with d +- HD / 2)
     from a second load, rather than shuffling registers: the same ops on the same values give
@@ -110,9 +110,11 @@ def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, H: tl.constexpr,
         x_partner = tl.load(x_ptr + base + partner).to(tl.float32)
         mean_sq = tl.div_rn(tl.sum(x * x, axis=0), HD * 1.0)  # as _rms_norm_kernel
         inv_rms = tl.rsqrt(mean_sq + EPS)
-        w_row = w_ptr + (h >= HQ).to(tl.int64) * HD
-        y = tl.load(w_row + cols).to(tl.float32) * (x * inv_rms)
-        y_partner = tl.load(w_row + partner).to(tl.float32) * (x_partner * inv_rms)
+        is_k = h >= HQ  # both weights are read (256 bytes each): no pointer select needed
+        w = tl.where(is_k, tl.load(wk_ptr + cols), tl.load(wq_ptr + cols)).to(tl.float32)
+        w_partner = tl.where(is_k, tl.load(wk_ptr + partner), tl.load(wq_ptr + partner))
+        y = w * (x * inv_rms)
+        y_partner = w_partner.to(tl.float32) * (x_partner * inv_rms)
         c = tl.load(cos_ptr + row * HALF + cols % HALF)
         s = tl.load(sin_ptr + row * HALF + cols % HALF)
         # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (the partner is x2, x1)
@@ -241,33 +243,33 @@ def logsumexp_triton(x):
         num_warps=plan.num_warps, num_stages=1, **logsumexp_constexprs(plan))
 
 
-def _check_qk_operands(x, w_qk, cos, sin, num_q_heads: int, num_kv_heads: int) -> HeadPlan:
+def _check_qk_operands(x, wq, wk, cos, sin, num_q_heads: int, num_kv_heads: int) -> HeadPlan:
     if x.ndim != 3 or x.shape[1] != num_q_heads + 2 * num_kv_heads:
         raise ValueError(f"qk_norm_rope: x must be [M, {num_q_heads} + 2 x {num_kv_heads} heads, "
                          f"head_dim], got {tuple(x.shape)}")
     M, _, hd = x.shape
     plan = plan_qk_norm_rope(M, num_q_heads, num_kv_heads, hd)
-    if tuple(w_qk.shape) != (2, hd):
-        raise ValueError(f"qk_norm_rope: w_qk must be [2, {hd}] (q_norm, k_norm), got "
-                         f"{tuple(w_qk.shape)}")
+    for name, w in (("wq", wq), ("wk", wk)):
+        if tuple(w.shape) != (hd,):
+            raise ValueError(f"qk_norm_rope: {name} must be [{hd}], got {tuple(w.shape)}")
     for name, a in (("cos", cos), ("sin", sin)):
         if tuple(a.shape) != (M, hd // 2):
             raise ValueError(f"qk_norm_rope: {name} must be [{M}, {hd // 2}], got {tuple(a.shape)}")
     return plan
 
 
-def qk_norm_rope_triton(x, w_qk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
+def qk_norm_rope_triton(x, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
                         out_dtype):
-    """x fp32 [M, Hq + 2 Hkv, hd] (the fused qkv projection), w_qk [2, hd] (q_norm, k_norm),
+    """x fp32 [M, Hq + 2 Hkv, hd] (the fused qkv projection), wq / wk [hd] (q_norm, k_norm),
     cos / sin fp32 [M, hd / 2] -> out_dtype [M, Hq + 2 Hkv, hd]: q and k normed and rotated, v
     as is; batch-invariant (one program per row and head)."""
     import jax
     import jax.numpy as jnp
     from jspec.kernels.triton_ffi import triton_call
 
-    plan = _check_qk_operands(x, w_qk, cos, sin, num_q_heads, num_kv_heads)
+    plan = _check_qk_operands(x, wq, wk, cos, sin, num_q_heads, num_kv_heads)
     return triton_call(
-        x.astype(jnp.float32), w_qk, cos.astype(jnp.float32), sin.astype(jnp.float32),
+        x.astype(jnp.float32), wq, wk, cos.astype(jnp.float32), sin.astype(jnp.float32),
         kernel=_kernels()[2], name="qk_norm_rope_bi",
         out_shape=jax.ShapeDtypeStruct(x.shape, out_dtype), grid=plan.grid,
         num_warps=plan.num_warps, num_stages=1, **qk_norm_rope_constexprs(plan, eps))
@@ -308,14 +310,14 @@ def logsumexp_launch_torch(x):
     return lse
 
 
-def qk_norm_rope_launch_torch(x, w_qk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
+def qk_norm_rope_launch_torch(x, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
                               out_dtype):
     import torch
 
     _check_torch_device(x)
-    plan = _check_qk_operands(x, w_qk, cos, sin, num_q_heads, num_kv_heads)
+    plan = _check_qk_operands(x, wq, wk, cos, sin, num_q_heads, num_kv_heads)
     y = torch.full(x.shape, float("nan"), dtype=out_dtype, device=x.device)
-    _kernels()[2][plan.grid](x.float().contiguous(), w_qk.contiguous(), cos.float().contiguous(),
-                             sin.float().contiguous(), y, num_warps=plan.num_warps, num_stages=1,
+    _kernels()[2][plan.grid](x.float().contiguous(), wq.contiguous(), wk.contiguous(),
+                             cos.float().contiguous(), sin.float().contiguous(), y, num_warps=plan.num_warps, num_stages=1,
                              **qk_norm_rope_constexprs(plan, eps))
     return y

@@ -79,13 +79,13 @@ def test_qk_norm_rope_triton_rows_invariant_and_close(heads):
     cos, sin = rope_cos_sin(jax.random.randint(kp, (256,), 0, 40000), hd, 1e6)
     f = jax.jit(functools.partial(qk_norm_rope_triton, eps=1e-6, num_q_heads=Hq,
                                   num_kv_heads=Hkv, out_dtype=jnp.bfloat16))
-    busy = np.asarray(f(x, w_qk, cos, sin).astype(jnp.float32))
+    busy = np.asarray(f(x, w_qk[0], w_qk[1], cos, sin).astype(jnp.float32))
     for m in (1, 8):
         np.testing.assert_array_equal(
-            np.asarray(f(x[:m], w_qk, cos[:m], sin[:m]).astype(jnp.float32)), busy[:m])
+            np.asarray(f(x[:m], w_qk[0], w_qk[1], cos[:m], sin[:m]).astype(jnp.float32)), busy[:m])
     twin = jax.jit(functools.partial(qk_norm_rope_xla, eps=1e-6, num_q_heads=Hq,
                                      num_kv_heads=Hkv, out_dtype=jnp.bfloat16))
-    ref = np.asarray(twin(x, w_qk, cos, sin).astype(jnp.float32))
+    ref = np.asarray(twin(x, w_qk[0], w_qk[1], cos, sin).astype(jnp.float32))
     np.testing.assert_array_equal(busy[:, Hq + Hkv:], ref[:, Hq + Hkv:])
     assert (busy == ref).mean() > 0.98
     scale = np.abs(ref).max(axis=-1, keepdims=True)

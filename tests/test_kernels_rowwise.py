@@ -162,7 +162,8 @@ def test_qk_norm_rope_interpreted_matches_xla_twin(interpreted, index):
     x, w_qk, cos, sin = _qk_inputs(index, M, Hq, Hkv, hd)
     got = interpreted[f"qk{index}"]
     assert got.shape == x.shape and np.isfinite(got).all()  # every element written
-    twin = np.asarray(qk_norm_rope_xla(jnp.asarray(x), jnp.asarray(w_qk, jnp.bfloat16),
+    w_bf16 = jnp.asarray(w_qk, jnp.bfloat16)
+    twin = np.asarray(qk_norm_rope_xla(jnp.asarray(x), w_bf16[0], w_bf16[1],
                                        jnp.asarray(cos), jnp.asarray(sin), EPS, Hq, Hkv,
                                        jnp.dtype(dtype)).astype(jnp.float32))
     want = _qk_float64(x, w_qk, cos, sin, Hq, Hkv)
@@ -309,10 +310,10 @@ def kernels_on_xla(monkeypatch):
         calls["logsumexp"].append(x.shape)
         return red.logsumexp_xla(x)
 
-    def qk(x, w_qk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype):
-        rw._check_qk_operands(x, w_qk, cos, sin, num_q_heads, num_kv_heads)
+    def qk(x, wq, wk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype):
+        rw._check_qk_operands(x, wq, wk, cos, sin, num_q_heads, num_kv_heads)
         calls["qk_norm_rope"].append(x.shape)
-        return red.qk_norm_rope_xla(x, w_qk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
+        return red.qk_norm_rope_xla(x, wq, wk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
 
     monkeypatch.setattr(lt, "linear_triton", linear)
     monkeypatch.setattr(rw, "qk_norm_rope_triton", qk)
@@ -452,8 +453,8 @@ def test_qk_norm_rope_compiles_for_sm90():
     if interpreter_enabled():
         pytest.skip("TRITON_INTERPRET is set for this process")
     plan = plan_qk_norm_rope(256, 32, 8, 128)
-    signature = dict(x_ptr="*fp32", w_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32",
-                     y_ptr="*bf16")
+    signature = dict(x_ptr="*fp32", wq_ptr="*bf16", wk_ptr="*bf16", cos_ptr="*fp32",
+                     sin_ptr="*fp32", y_ptr="*bf16")
     try:
         compiled, ptx, spills = _compile_sm90(_kernels()[2], signature,
                                               qk_norm_rope_constexprs(plan, EPS), plan.num_warps)
@@ -472,11 +473,11 @@ def test_qk_plan_and_operands_are_checked():
                        ((1, 4, 2, 96), "power of two")):
         with pytest.raises(ValueError, match=match):
             plan_qk_norm_rope(*bad)
-    x, w, cs = np.zeros((3, 8, 16)), np.zeros((2, 16)), np.zeros((3, 8))
-    _check_qk_operands(x, w, cs, cs, 4, 2)
-    for args, match in (((np.zeros((3, 9, 16)), w, cs, cs), "heads"),
-                        ((x, np.zeros((16,)), cs, cs), "w_qk"),
-                        ((x, w, np.zeros((3, 16)), cs), "cos")):
+    x, w, cs = np.zeros((3, 8, 16)), np.zeros(16), np.zeros((3, 8))
+    _check_qk_operands(x, w, w, cs, cs, 4, 2)
+    for args, match in (((np.zeros((3, 9, 16)), w, w, cs, cs), "heads"),
+                        ((x, w, np.zeros((2, 16)), cs, cs), "wk"),
+                        ((x, w, w, np.zeros((3, 16)), cs), "cos")):
         with pytest.raises(ValueError, match=match):
             _check_qk_operands(*args, 4, 2)
 
@@ -518,8 +519,8 @@ def test_xla_rope_and_the_twin_are_the_models_math_bit_for_bit():
     def twin(x, positions):
         qkv = project(x, attn.qkv_proj[...])
         cos, sin = rope_cos_sin(positions, cfg.head_dim, attn.rope_theta)
-        w_qk = jnp.stack([attn.q_norm.weight[...], attn.k_norm.weight[...]])
-        out = qk_norm_rope_xla(qkv, w_qk, cos, sin, attn.q_norm.eps, cfg.num_heads,
+        out = qk_norm_rope_xla(qkv, attn.q_norm.weight[...], attn.k_norm.weight[...], cos, sin,
+                               attn.q_norm.eps, cfg.num_heads,
                                cfg.num_kv_heads, x.dtype)
         return jnp.split(out, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
 
@@ -585,13 +586,14 @@ def _interpret_worker(work: Path) -> None:
     for i, (M, Hq, Hkv, hd, dtype) in enumerate(QK_SHAPES):
         x, w_qk, cos, sin = _qk_inputs(i, M, Hq, Hkv, hd)
         out[f"qk{i}"] = qk_norm_rope_launch_torch(
-            t(x, "float32"), t(w_qk, "bfloat16"), t(cos, "float32"), t(sin, "float32"), EPS, Hq,
-            Hkv, torch.bfloat16 if dtype == "bfloat16" else torch.float32).float().numpy()
+            t(x, "float32"), t(w_qk[0], "bfloat16"), t(w_qk[1], "bfloat16"), t(cos, "float32"),
+            t(sin, "float32"), EPS, Hq, Hkv,
+            torch.bfloat16 if dtype == "bfloat16" else torch.float32).float().numpy()
     qx, qw, qcos, qsin = _qk_inputs(99, max(INVARIANCE_ROWS), 4, 2, 128)
     for m in INVARIANCE_ROWS:
         out[f"qk_inv{m}"] = qk_norm_rope_launch_torch(
-            t(qx[:m], "float32"), t(qw, "bfloat16"), t(qcos[:m], "float32"), t(qsin[:m], "float32"),
-            EPS, 4, 2, torch.bfloat16).float().numpy()
+            t(qx[:m], "float32"), t(qw[0], "bfloat16"), t(qw[1], "bfloat16"),
+            t(qcos[:m], "float32"), t(qsin[:m], "float32"), EPS, 4, 2, torch.bfloat16).float().numpy()
     x, w = _rms_inputs(99, max(INVARIANCE_ROWS), INV_D, "float32", "bfloat16")
     logits = _lse_inputs(99, max(INVARIANCE_ROWS), INV_V, "float32")
     for m in INVARIANCE_ROWS:
