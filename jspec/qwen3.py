@@ -54,7 +54,8 @@ class RMSNorm(nnx.Module):
 def apply_rope(x_bthk: Array, positions_bt: Array, theta: float) -> Array:
     """Rotate-half RoPE (Hugging Face convention), computed in fp32."""
     cos_btf, sin_btf = rope_cos_sin(positions_bt, x_bthk.shape[-1], theta)
-    rotated = rope_rotate(x_bthk.astype(jnp.float32), cos_btf[:, :, None, :], sin_btf[:, :, None, :])
+    cos_bt1f, sin_bt1f = cos_btf[:, :, None, :], sin_btf[:, :, None, :]
+    rotated = rope_rotate(x_bthk.astype(jnp.float32), cos_bt1f, sin_bt1f)
     return rotated.astype(x_bthk.dtype)
 
 
@@ -100,7 +101,8 @@ class Attention(nnx.Module):
 
     def qkv(self, x_btd: Array, positions_bt: Array) -> tuple[Array, Array, Array]:
         """q and k stay fp32 through their norms and rope and are rounded once; so is v. On the
-        invariant route a fused projection's heads go through one kernel (reductions.qk_norm_rope)."""
+        invariant route a fused projection's heads go through one kernel
+        (reductions.qk_norm_rope)."""
         f32, dt, impl = jnp.float32, x_btd.dtype, self.linear_impl
         Hq, Hkv = self.num_heads, self.num_kv_heads
         if self.fused and impl == "triton":

@@ -91,6 +91,8 @@ def filter_paths_for(top_k, top_p, greedy) -> str:
     if search.any():
         return FILTER_ALL
     return FILTER_CANDIDATE if candidate.any() else FILTER_NONE
+
+
 _CHUNK = 128  # vocabulary chunk of the candidate preselection (151936 = 1187 * 128)
 SEARCH_BITS_PER_PASS = 2  # bit search on accelerators: 16 vocab passes, 3 thresholds each
 
@@ -135,7 +137,8 @@ class SamplingArrays:
 
     def __post_init__(self):
         if self.filter_paths not in FILTER_PATHS:
-            raise ValueError(f"filter_paths must be one of {FILTER_PATHS}, got {self.filter_paths!r}")
+            raise ValueError(f"filter_paths must be one of {FILTER_PATHS}, "
+                             f"got {self.filter_paths!r}")
 
     @property
     def num_lanes(self) -> int:

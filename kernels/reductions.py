@@ -131,10 +131,10 @@ def qk_norm_rope_xla(qkv, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv
 def qk_norm_rope(qkv, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
                  out_dtype, impl: str = "xla"):
     """qkv [..., Hq + 2 Hkv, hd] (the fused projection's fp32 output), wq / wk [hd] (q_norm,
-    k_norm), cos / sin
-    [..., hd / 2] (rope_cos_sin of the rows' positions) -> out_dtype [..., Hq + 2 Hkv, hd]. "triton":
-    one kernel for all heads of a row (rowwise_triton.qk_norm_rope_triton) instead of two norm
-    kernels and the XLA fusions around them."""
+    k_norm), cos / sin [..., hd / 2] (rope_cos_sin of the rows' positions) -> out_dtype
+    [..., Hq + 2 Hkv, hd]. "triton": one kernel for all heads of a row
+    (rowwise_triton.qk_norm_rope_triton) instead of two norm kernels and the XLA fusions around
+    them."""
     if impl == "xla":
         return qk_norm_rope_xla(qkv, wq, wk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
     if impl == "triton":

@@ -318,6 +318,7 @@ def qk_norm_rope_launch_torch(x, wq, wk, cos, sin, eps: float, num_q_heads: int,
     plan = _check_qk_operands(x, wq, wk, cos, sin, num_q_heads, num_kv_heads)
     y = torch.full(x.shape, float("nan"), dtype=out_dtype, device=x.device)
     _kernels()[2][plan.grid](x.float().contiguous(), wq.contiguous(), wk.contiguous(),
-                             cos.float().contiguous(), sin.float().contiguous(), y, num_warps=plan.num_warps, num_stages=1,
+                             cos.float().contiguous(), sin.float().contiguous(), y,
+                             num_warps=plan.num_warps, num_stages=1,
                              **qk_norm_rope_constexprs(plan, eps))
     return y
