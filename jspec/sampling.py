@@ -346,8 +346,10 @@ def processed_logprobs(logits, temperature, top_k, top_p, greedy, filter_paths: 
     broadcast over the axes between lane and vocab, e.g. logits [B, K, V] with params [B].
     Use the same function, with the same parameters, for the target's p and the drafter's q.
     """
+    if filter_paths not in FILTER_PATHS:
+        raise ValueError(f"filter_paths must be one of {FILTER_PATHS}, got {filter_paths!r}")
     logits_f32 = logits.astype(jnp.float32)
-    ndim, vocab = logits_f32.ndim, logits_f32.shape[-1]
+    ndim = logits_f32.ndim
     temperature, top_k, top_p, greedy = (
         _lane_param(a, ndim) for a in (temperature, top_k, top_p, greedy)
     )
@@ -371,8 +373,6 @@ def processed_logprobs(logits, temperature, top_k, top_p, greedy, filter_paths: 
     large_k = (top_k > CANDIDATE_TOP_K) & sampled  # top-k by bit search
     searched_p = (top_p < 1.0) & ~small_k & sampled  # top-p by bit search (after a large top-k)
     no_cut = jnp.zeros(x_f32.shape[:-1] + (1,), jnp.uint32)
-    if filter_paths not in FILTER_PATHS:
-        raise ValueError(f"filter_paths must be one of {FILTER_PATHS}, got {filter_paths!r}")
     cut = no_cut
     if filter_paths in (FILTER_CANDIDATE, FILTER_ALL) and CANDIDATE_TOP_K > 0:
         cut = jnp.where(small_k, _candidate_top_k_top_p(x_f32, top_k, top_p, top_p < 1.0), no_cut)

@@ -406,17 +406,34 @@ def test_engine_programs_score_through_the_invariant_route(kernels_on_xla, monke
 
 # ---- the GPU compiler accepts the kernels (no GPU needed) --------------------------------------
 
-def _compile_sm90(kernel, signature, constexprs, num_warps):
+KERNEL_NAMES = ("rms_norm", "logsumexp", "qk_norm_rope")  # rowwise_triton._kernels() order
+
+
+def _compile_sm90(name, signature, plan_args, *constexpr_args):
+    """Kernel `name` compiled for sm_90 with its plan for `plan_args` (rowwise_triton's
+    plan_<name> and <name>_constexprs): (compiled, ptx, ptxas spill counts). Skips without
+    Triton, under the interpreter, or without Triton's NVIDIA backend."""
     import re
 
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    import jspec.kernels.rowwise_triton as rw
+    if rw.interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET is set for this process")
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    compiled = triton.compile(
-        ASTSource(fn=kernel, signature=dict(signature, **{k: "constexpr" for k in constexprs}),
-                  constexprs=constexprs,
-                  attrs={(i,): [["tt.divisibility", 16]] for i in range(len(signature))}),
-        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=1))
+    plan = getattr(rw, f"plan_{name}")(*plan_args)
+    constexprs = getattr(rw, f"{name}_constexprs")(plan, *constexpr_args)
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        compiled = triton.compile(
+            ASTSource(fn=rw._kernels()[KERNEL_NAMES.index(name)],
+                      signature=dict(signature, **{k: "constexpr" for k in constexprs}),
+                      constexprs=constexprs,
+                      attrs={(i,): [["tt.divisibility", 16]] for i in range(len(signature))}),
+            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=plan.num_warps, num_stages=1))
+    except ImportError as e:
+        pytest.skip(f"no NVIDIA backend in this triton: {e}")
     ptx = compiled.asm["ptx"]
     info = ptxas_report(ptx, "rowwise")
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill", info)]
@@ -427,39 +444,17 @@ def _compile_sm90(kernel, signature, constexprs, num_warps):
                                               (5120, "bf16", False)],
                          ids=["q_norm", "hidden_8b", "hidden_14b_bf16_in"])
 def test_rms_norm_compiles_for_sm90(D, x_type, f32_out):
-    if not _triton_available():
-        pytest.skip("triton not installed")
-    from jspec.kernels.rowwise_triton import (_kernels, interpreter_enabled, plan_rms_norm,
-                                              rms_norm_constexprs)
-    if interpreter_enabled():
-        pytest.skip("TRITON_INTERPRET is set for this process")
-    plan = plan_rms_norm(256, D)
     signature = dict(x_ptr=f"*{x_type}", w_ptr="*bf16", y_ptr="*fp32" if f32_out else "*bf16")
-    try:
-        compiled, ptx, spills = _compile_sm90(
-            _kernels()[0], signature, rms_norm_constexprs(plan, EPS, f32_out), plan.num_warps)
-    except ImportError as e:
-        pytest.skip(f"no NVIDIA backend in this triton: {e}")
+    compiled, ptx, spills = _compile_sm90("rms_norm", signature, (256, D), EPS, f32_out)
     assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
     assert "div.rn.f32" in ptx  # the mean divides as jnp.mean does (not div.full's 2 ulps)
     assert f32_out or "cvt.rn.bf16" in ptx  # round to nearest even before the scale
 
 
 def test_qk_norm_rope_compiles_for_sm90():
-    if not _triton_available():
-        pytest.skip("triton not installed")
-    from jspec.kernels.rowwise_triton import (_kernels, interpreter_enabled, plan_qk_norm_rope,
-                                              qk_norm_rope_constexprs)
-    if interpreter_enabled():
-        pytest.skip("TRITON_INTERPRET is set for this process")
-    plan = plan_qk_norm_rope(256, 32, 8, 128)
     signature = dict(x_ptr="*fp32", wq_ptr="*bf16", wk_ptr="*bf16", cos_ptr="*fp32",
                      sin_ptr="*fp32", y_ptr="*bf16")
-    try:
-        compiled, ptx, spills = _compile_sm90(_kernels()[2], signature,
-                                              qk_norm_rope_constexprs(plan, EPS), plan.num_warps)
-    except ImportError as e:
-        pytest.skip(f"no NVIDIA backend in this triton: {e}")
+    compiled, ptx, spills = _compile_sm90("qk_norm_rope", signature, (256, 32, 8, 128), EPS)
     assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
     assert "div.rn.f32" in ptx and "cvt.rn.bf16" in ptx  # the norm's mean; one rounding
 
@@ -529,18 +524,8 @@ def test_xla_rope_and_the_twin_are_the_models_math_bit_for_bit():
 
 
 def test_logsumexp_compiles_for_sm90():
-    if not _triton_available():
-        pytest.skip("triton not installed")
-    from jspec.kernels.rowwise_triton import (_kernels, interpreter_enabled, logsumexp_constexprs,
-                                              plan_logsumexp)
-    if interpreter_enabled():
-        pytest.skip("TRITON_INTERPRET is set for this process")
-    plan = plan_logsumexp(256, 151936)
-    try:
-        compiled, ptx, spills = _compile_sm90(_kernels()[1], dict(x_ptr="*fp32", lse_ptr="*fp32"),
-                                              logsumexp_constexprs(plan), plan.num_warps)
-    except ImportError as e:
-        pytest.skip(f"no NVIDIA backend in this triton: {e}")
+    compiled, ptx, spills = _compile_sm90("logsumexp", dict(x_ptr="*fp32", lse_ptr="*fp32"),
+                                          (256, 151936))
     assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
     assert "ld.global.v4" in ptx  # 16-byte loads: the row is streamed, not gathered
 
