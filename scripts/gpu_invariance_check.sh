@@ -13,7 +13,7 @@
 #   5. PARTS=fp8: the fp8 drafter pool at 32 lanes x 4096 (memory by sizes, iteration time);
 #   6. PARTS=linear: the linear kernel's fixed split-K walks against XLA's GEMM
 #      (scripts/bench_linear.py; a default part until 2026-12-01);
-#   7. PARTS=profile, if time is left: a profile of the stock step (fused projections).
+#   7. PARTS=profile, if time is left: a profile of the invariant stock step.
 #   PARTS=sampler bash scripts/gpu_invariance_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +61,7 @@ timeout 100 python3 scripts/bench_linear.py --rows 1,8,32,256 --sweep-rows 1,8,3
 tail -12 "$OUT/linear.log"
 fi
 if [[ " $PARTS " == *" profile "* ]] && (( SECONDS - START < 470 )); then
-  timeout $(( 560 - (SECONDS - START) )) python3 scripts/profile_steps.py --no-trace-copy --trace-dir /tmp/trace \
+  timeout $(( 560 - (SECONDS - START) )) python3 scripts/profile_steps.py --no-trace-copy --trace-dir /tmp/trace --batch-invariant \
     --out "$OUT/profile_stock.json" > "$OUT/profile_stock.log" 2>&1
   tail -30 "$OUT/profile_stock.log"
 fi
