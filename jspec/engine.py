@@ -108,6 +108,15 @@ class EngineConfig:
     # speculative engines of a comparison (jspec bench builds both from one base), and a stock
     # engine computes the same bits with or without it. LLM refuses it without a drafter.
     draft_kv_dtype: str | None = None
+    # The decode step loop as one CUDA graph that stops once every lane has ended
+    # (steps.Programs): a dispatch wastes no steps after its replies end, and the call returns
+    # before the device starts.
+    device_loop: bool = True
+    # Launch the next dispatch before reading this one's tokens, from the state this one leaves
+    # on the device, so the device never waits for the host's bookkeeping between dispatches.
+    # Only while no request waits for a lane (or with one lane), and when the pool holds the
+    # next two windows of every lane without preempting (_generate's rule).
+    lookahead: bool = True
 
     # Positions a step may write past the committed length (verify writes K+1); set by Engine.
     step_width: int = 1
@@ -168,7 +177,7 @@ class Engine:
             self.params = target_params
             self.caches = init_kv_caches(self.cache_shape)
             self.programs = shared_programs(StockPrograms, graphdef, engine_cfg.page_size,
-                                            self.eos_ids, attn_impl)
+                                            self.eos_ids, attn_impl, engine_cfg.device_loop)
         else:
             from jspec.spec_steps import SpecPrograms
             draft_cfg.check_fits(cfg)
@@ -181,7 +190,7 @@ class Engine:
             self.caches = (init_kv_caches(self.cache_shape), init_kv_caches(self.draft_cache_shape))
             self.programs = shared_programs(SpecPrograms, graphdef, draft_graphdef, draft_cfg,
                                             engine_cfg.page_size, self.eos_ids,
-                                            attn_impl, self.num_draft)
+                                            attn_impl, self.num_draft, engine_cfg.device_loop)
         self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
         self._admissions = itertools.count(1)
         self.stats = collections.Counter()
@@ -213,12 +222,12 @@ class Engine:
             raise ValueError(f"request needs {need} KV pages but the pool has only "
                              f"{self.allocator.num_pages - 1}")
 
-    def _window_end(self, req: Request) -> int:
-        """Positions the next dispatch may write: from the input token (the last emitted, at
-        len(context) - 1) through decode_steps steps of step_width tokens, capped by what the
-        request can ever hold (plus one verify width of rows past it)."""
+    def _window_end(self, req: Request, windows: int = 1) -> int:
+        """Positions the next `windows` dispatches may write: from the input token (the last
+        emitted, at len(context) - 1) through decode_steps steps of step_width tokens each,
+        capped by what the request can ever hold (plus one verify width of rows past it)."""
         width = self.ecfg.step_width
-        reach = len(req.context_ids) - 1 + self.ecfg.decode_steps * width
+        reach = len(req.context_ids) - 1 + windows * self.ecfg.decode_steps * width
         return min(reach, self._max_len(req) + width - 1)
 
     def _max_len(self, req: Request) -> int:
@@ -235,12 +244,46 @@ class Engine:
             # The context can never pass max_context: clamp what may still be generated.
             req.max_tokens = self._max_len(req) - len(req.prompt_ids)
         waiting = collections.deque(requests)
+        pending = None  # a launched dispatch whose tokens the host has not read yet
         while waiting or any(self.lanes):
-            self._admit(waiting, on_update)
-            if any(self.lanes):
+            if pending is None:
+                self._admit(waiting, on_update)
+                if not any(self.lanes):
+                    continue
                 self._reserve_or_preempt(waiting)
-                self._decode_dispatch(on_update)
+                pending = self._launch()
+            ahead = None
+            if self._may_look_ahead(pending, waiting):
+                ahead = self._launch(ahead=True)
+            self._collect(pending, on_update)
+            pending = ahead
+        if pending is not None:  # every lane ended inside it: it emits nothing
+            self._collect(pending, on_update)
         return list(requests)
+
+    def _may_look_ahead(self, pending: "_Dispatch", waiting: collections.deque) -> bool:
+        """Whether the next dispatch may be launched before `pending`'s tokens are read. It
+        starts from the state `pending` leaves on the device, so the lanes must be the ones
+        `pending` ran. A lane that ends inside `pending` idles through the next one: so only
+        while no request waits for a lane, or with a single lane (the device loop then stops
+        at once). And only when the pool holds every lane's next two windows without
+        preempting (the host's lengths trail the device's by one dispatch)."""
+        if not (self.ecfg.lookahead and self.carry_state and any(self.lanes)):
+            return False
+        if waiting and len(self.lanes) > 1:
+            return False
+        if self._lane_key(self.lanes) != pending.lane_key:
+            return False
+        for req in self.lanes:
+            if req is None:
+                continue
+            need = self.cache_shape.pages_for(self._window_end(req, windows=2)) - len(req.pages)
+            if need > 0:
+                pages = self.allocator.allocate(need)
+                if pages is None:
+                    return False  # what was taken stays with its lane: the next windows use it
+                req.pages += pages
+        return True
 
     def _admit(self, waiting: collections.deque, on_update) -> None:
         while waiting and None in self.lanes:
@@ -350,7 +393,7 @@ class Engine:
             sampling=self._sampling(lanes),
         )
 
-    def _dispatch_state(self, lanes: Sequence[Request | None]):
+    def _dispatch_state(self, lanes: Sequence[Request | None], ahead: bool = False):
         """The dispatch's input state on the device. When the same admissions hold the same lanes
         as in the previous dispatch, that dispatch's output state is already it: its tokens,
         lengths, remaining and active advanced on the device exactly as the host's bookkeeping
@@ -358,15 +401,17 @@ class Engine:
         grew is sent. Otherwise every field goes up in one device_put. (Each small host-to-device
         transfer costs the GPU idle time: 2.8 ms per dispatch for the ~12 fields, measured on
         the H200, docs/benchmarks.md.) `check_carry` (tests) compares the carried state with the
-        host's, field by field."""
+        host's, field by field. `ahead`: the previous dispatch is still unread, so the host's
+        bookkeeping trails the carried state by one dispatch and is not compared."""
         page_table = np.stack([self._page_row(r) if r else
                                np.zeros(self.ecfg.pages_per_lane, np.int32) for r in lanes])
         carry = self._carry
         if not self.carry_state or carry is None or carry[0] != self._lane_key(lanes):
+            assert not ahead, "a look-ahead dispatch must start from the carried state"
             self.stats["state_uploads"] += 1
             return jax.device_put(self._host_state(lanes, page_table), self._device), page_table
         _, state, sent_pages = carry
-        if self.check_carry:  # every field but the page table, which may have grown since
+        if self.check_carry and not ahead:  # every field but the page table, which may have grown
             host = self._host_state(lanes, page_table)
             for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(host),
                                          jax.tree.leaves(state)):
@@ -379,28 +424,38 @@ class Engine:
             state = dataclasses.replace(state, page_table=jax.device_put(page_table, self._device))
         return state, page_table
 
-    def _decode_dispatch(self, on_update) -> None:
-        """One device dispatch of `decode_steps` steps (or iterations) for every lane. Wall time
-        is split into stats: time_prepare_s (host arrays in), time_call_s (the jitted call until
-        it returns; it runs asynchronously), time_wait_s (until the tokens are on the host: the
-        device's share) and time_emit_s (host bookkeeping): what a dispatch costs beyond the
+    def _launch(self, ahead: bool = False) -> "_Dispatch":
+        """Launches one device dispatch of `decode_steps` steps (or iterations) for every lane;
+        returns at once (the device loop runs on). Wall time is split into stats:
+        time_prepare_s (host arrays in), time_call_s (the jitted call until it returns),
+        time_wait_s (until the tokens are on the host: the device's share, less what overlapped
+        a look-ahead) and time_emit_s (host bookkeeping): what a dispatch costs beyond the
         device's work, measured where the engine runs."""
         t0 = time.perf_counter()
-        lanes = self.lanes
-        B = len(lanes)
-        state, page_table = self._dispatch_state(lanes)
+        lanes = list(self.lanes)
+        state, page_table = self._dispatch_state(lanes, ahead)
         t1 = time.perf_counter()
         self.caches, state_out, out_tokens, out_logprobs, *extra = self.programs.decode(
             self.params, self.caches, state, num_steps=self.ecfg.decode_steps)
         t2 = time.perf_counter()
-        self._carry = (self._lane_key(lanes), state_out, page_table)
-        out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
-        step_tokens = np.asarray(extra[0]) if extra else None
-        t3 = time.perf_counter()
+        key = self._lane_key(lanes)
+        self._carry = (key, state_out, page_table)
         self.stats["decode_dispatches"] += 1
-        for b in range(B):
-            req = lanes[b]
-            if req is None:
+        self.stats["lookahead_dispatches"] += int(ahead)
+        self.stats["time_prepare_s"] += t1 - t0
+        self.stats["time_call_s"] += t2 - t1
+        return _Dispatch(lanes, key, out_tokens, out_logprobs, extra[0] if extra else None)
+
+    def _collect(self, dispatch: "_Dispatch", on_update) -> None:
+        """Reads a dispatch's tokens and does the host's bookkeeping for its lanes. A lane whose
+        request ended before (in the dispatch this one looked ahead of) emitted nothing on the
+        device, or emitted past a host-side stop; either way it is skipped."""
+        t0 = time.perf_counter()
+        out_tokens, out_logprobs = np.asarray(dispatch.tokens), np.asarray(dispatch.logprobs)
+        step_tokens = np.asarray(dispatch.step_tokens) if dispatch.step_tokens is not None else None
+        t1 = time.perf_counter()
+        for b, req in enumerate(dispatch.lanes):
+            if req is None or req.finished:
                 continue
             emitted = out_tokens[b] >= 0
             self._emit(req, out_tokens[b, emitted].tolist(), out_logprobs[b, emitted].tolist())
@@ -411,6 +466,16 @@ class Engine:
                 on_update(req)
             if req.finished:
                 self._retire(req)
-        t4 = time.perf_counter()
-        for key, dt in (("prepare", t1 - t0), ("call", t2 - t1), ("wait", t3 - t2), ("emit", t4 - t3)):
-            self.stats[f"time_{key}_s"] += dt
+        self.stats["time_wait_s"] += t1 - t0
+        self.stats["time_emit_s"] += time.perf_counter() - t1
+
+
+@dataclasses.dataclass
+class _Dispatch:
+    """A launched dispatch: the lanes it ran (a snapshot), their admission key and its device
+    outputs, not yet read."""
+    lanes: list
+    lane_key: tuple
+    tokens: jax.Array
+    logprobs: jax.Array
+    step_tokens: jax.Array | None

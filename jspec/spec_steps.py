@@ -45,7 +45,8 @@ def _lane_grid(num_lanes: int, width: int):
 
 class SpecPrograms(Programs):
     def __init__(self, target_graphdef, draft_graphdef, dcfg: DSparkConfig, page_size: int,
-                 eos_ids: tuple[int, ...], attn_impl: str = "auto", num_draft: int | None = None):
+                 eos_ids: tuple[int, ...], attn_impl: str = "auto", num_draft: int | None = None,
+                 device_loop: bool = False):
         self.tg, self.dg, self.dcfg = target_graphdef, draft_graphdef, dcfg
         # The drafter always runs its whole block (that is what it was trained on); only the
         # first `num_draft` tokens are proposed and verified.
@@ -53,7 +54,7 @@ class SpecPrograms(Programs):
         if not 1 <= self.k <= dcfg.block_size:
             raise ValueError(f"num_draft_tokens must be in 1..{dcfg.block_size} (the drafter's "
                              f"block size), got {self.k}")
-        super().__init__(page_size, eos_ids, attn_impl)
+        super().__init__(page_size, eos_ids, attn_impl, device_loop)
 
     def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
         return nnx.merge(self.tg, params[0]), nnx.merge(self.dg, params[1])
@@ -171,7 +172,7 @@ class SpecPrograms(Programs):
 
         init = (caches, state, jnp.full((B, num_steps * W), -1, jnp.int32),
                 jnp.zeros((B, num_steps * W), jnp.float32), jnp.zeros((B, num_steps), jnp.int32))
-        caches, state, toks, lps, steps = jax.lax.fori_loop(0, num_steps, body, init)
+        caches, state, toks, lps, steps = self._step_loop(num_steps, body, init, state_index=1)
         return caches, state, toks, lps, steps
 
     def _teacher_forced(self, params, caches, state: DecodeState, forced_bn: Array):

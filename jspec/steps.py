@@ -99,25 +99,80 @@ class DecodeState:
     sampling: SamplingArrays
 
 
+# The command types XLA:GPU records into CUDA graphs by default (jax 0.10-0.11), plus WHILE and
+# CONDITIONAL: with them a dispatch's whole step loop is one graph whose loop test runs on the
+# device. Without them XLA runs the loop from the host, which launches each step's graphs and,
+# for a data-dependent test, waits for every step's predicate.
+_GRAPH_COMMANDS = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION")
+
+
+@functools.lru_cache(maxsize=1)
+def device_loop_options() -> dict:
+    """compiler_options that put while loops into command buffers, in the form this jaxlib
+    accepts (newer ones add DYNAMIC_SLICE_COPY_FUSION to the defaults; older ones reject the
+    name). {} when no form compiles: the loop then runs from the host, still correct."""
+    for extra in (("DYNAMIC_SLICE_COPY_FUSION",), ()):
+        opts = {"xla_gpu_enable_command_buffer": ",".join(_GRAPH_COMMANDS + extra
+                                                          + ("WHILE", "CONDITIONAL"))}
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=opts).lower(jnp.zeros(1)).compile()
+        except Exception:  # noqa: BLE001 - jaxlib reports an unknown enum name as a runtime error
+            continue
+        return opts
+    return {}
+
+
+def loop_while_active(num_steps: int, body, carry, state_of):
+    """`fori_loop(0, num_steps, body, carry)` that stops early once no lane is active
+    (`state_of(carry).active`): the steps after every lane has ended would emit nothing."""
+
+    def cond(c):
+        i, inner = c
+        return (i < num_steps) & jnp.any(state_of(inner).active)
+
+    def step(c):
+        i, inner = c
+        return i + 1, body(i, inner)
+
+    return jax.lax.while_loop(cond, step, (jnp.int32(0), carry))[1]
+
+
 class Programs:
     """The three jitted entry points every engine kind provides, caches (argument 1) donated:
-    prefill (one lane's chunk), decode (steps per dispatch), teacher_forced (scoring)."""
+    prefill (one lane's chunk), decode (steps per dispatch), teacher_forced (scoring).
 
-    def __init__(self, page_size: int, eos_ids: tuple[int, ...], attn_impl: str):
+    device_loop: decode's step loop stops once every lane has ended and is compiled as one CUDA
+    graph with its test on the device (`device_loop_options`), so the call returns at once and
+    the early exit costs the host nothing. Off: a fixed-count loop the host drives (a
+    data-dependent test there would make the host wait for every step)."""
+
+    def __init__(self, page_size: int, eos_ids: tuple[int, ...], attn_impl: str,
+                 device_loop: bool = False):
         self.page_size = page_size
         self.eos_ids = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
         self.attn_impl = attn_impl
+        self.device_loop = device_loop
         self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-        self.decode = jax.jit(self._decode, donate_argnums=(1,), static_argnames=("num_steps",))
+        self.decode = jax.jit(self._decode, donate_argnums=(1,), static_argnames=("num_steps",),
+                              **({"compiler_options": device_loop_options()} if device_loop
+                                 else {}))
         self.teacher_forced = jax.jit(self._teacher_forced, donate_argnums=(1,))
+
+    def _step_loop(self, num_steps: int, body, carry, state_index: int):
+        """The dispatch's loop over steps: `body(i, carry) -> carry`, carry[state_index] the
+        DecodeState. With device_loop it ends once no lane is active."""
+        if self.device_loop:
+            return loop_while_active(num_steps, body, carry, lambda c: c[state_index])
+        return jax.lax.fori_loop(0, num_steps, body, carry)
 
 
 class StockPrograms(Programs):
     """Compiled-once prefill and decode programs for one model and one cache geometry."""
 
-    def __init__(self, graphdef, page_size: int, eos_ids: tuple[int, ...], attn_impl: str = "auto"):
+    def __init__(self, graphdef, page_size: int, eos_ids: tuple[int, ...], attn_impl: str = "auto",
+                 device_loop: bool = False):
         self.graphdef = graphdef
-        super().__init__(page_size, eos_ids, attn_impl)
+        super().__init__(page_size, eos_ids, attn_impl, device_loop)
 
     def model(self, params) -> Qwen3:
         return nnx.merge(self.graphdef, params)
@@ -190,8 +245,8 @@ class StockPrograms(Programs):
 
         out_tokens = jnp.full((num_lanes, num_steps), -1, jnp.int32)
         out_logprobs = jnp.zeros((num_lanes, num_steps), jnp.float32)
-        caches, state, out_tokens, out_logprobs = jax.lax.fori_loop(
-            0, num_steps, body, (caches, state, out_tokens, out_logprobs))
+        caches, state, out_tokens, out_logprobs = self._step_loop(
+            num_steps, body, (caches, state, out_tokens, out_logprobs), state_index=1)
         return caches, state, out_tokens, out_logprobs
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -258,3 +259,69 @@ def test_carried_decode_state_equals_the_hosts(model):
     assert stats["state_carries"] > 5 and stats["state_uploads"] > 2 and stats["preemptions"] > 0
     with pytest.raises(AssertionError, match="lengths"):
         _carry_run(model, carry=True, check=True, tamper=True)
+
+
+def test_device_loop_stops_once_every_lane_has_ended():
+    """loop_while_active runs steps until the last lane ends (or num_steps), and none at all when
+    no lane is active; the fixed loop it replaces runs them all (the control)."""
+    from types import SimpleNamespace
+
+    from jspec.steps import loop_while_active
+
+    ends_b = jnp.asarray([2, 4])  # lane b ends after step ends_b[b]
+
+    def body(i, carry):
+        count, active_b = carry
+        return count + 1, active_b & (i < ends_b)
+
+    def steps_run(active_b, early_exit):
+        carry = (jnp.int32(0), jnp.asarray(active_b))
+        if early_exit:
+            return int(jax.jit(lambda c: loop_while_active(
+                16, body, c, lambda c: SimpleNamespace(active=c[1])))(carry)[0])
+        return int(jax.jit(lambda c: jax.lax.fori_loop(0, 16, body, c))(carry)[0])
+
+    assert steps_run([True, True], early_exit=True) == 5
+    assert steps_run([True, False], early_exit=True) == 3
+    assert steps_run([False, False], early_exit=True) == 0
+    assert steps_run([True, True], early_exit=False) == 16
+
+
+def _lookahead_run(model, lookahead, device_loop, eos, **kw):
+    """Sampled replies through the engine, one of them ended by a host-side stop (as the API's
+    stop strings do) and some by EOS inside a dispatch."""
+    eng = Engine(CFG, model, eos_ids=(eos,), engine_cfg=EngineConfig(**{
+        **dict(max_lanes=3, page_size=8, max_context=128, prefill_chunk=16, decode_steps=5,
+               attn_impl="xla"), **kw, "lookahead": lookahead, "device_loop": device_loop}))
+    eng.check_carry = True
+
+    def on_update(req):  # a stop checker: request 1 stops after 11 tokens
+        if req.request_id == 1 and len(req.output_ids) >= 11 and not req.finished:
+            req.output_ids = req.output_ids[:11]
+            req.logprobs = req.logprobs[:11]
+            req.finish_reason = "stop"
+
+    reqs = eng.generate(_requests([(7, 40), (12, 30), (20, 33)], temperature=1.0), on_update)
+    return [(r.output_ids, r.logprobs, r.finish_reason) for r in reqs], eng
+
+
+@pytest.mark.parametrize("lanes,num_pages", [(3, None), (1, None), (3, 12)])
+def test_lookahead_and_device_loop_change_when_not_what(model, lanes, num_pages):
+    """Launching the next dispatch before reading the last one (lookahead) and ending the step
+    loop once every lane has ended (device_loop) change when the work runs, never what it
+    computes: the same tokens, log-probs and finish reasons as the fixed loop with every dispatch
+    read before the next. Through EOS inside a dispatch, a host-side stop, admissions (one
+    lane: requests wait) and a pool too small to look ahead every time."""
+    probe, _ = _lookahead_run(model, False, False, eos=-1, max_lanes=1)
+    eos = probe[0][0][8]  # a token request 0 samples mid-reply: it ends there
+    kw = dict(max_lanes=lanes, num_pages=num_pages)
+    ref, ref_eng = _lookahead_run(model, False, False, eos, **kw)
+    assert ref_eng.stats["lookahead_dispatches"] == 0
+    assert {f for _, _, f in ref} == {"eos", "stop", "length"}
+    for lookahead, device_loop in [(True, True), (True, False), (False, True)]:
+        got, eng = _lookahead_run(model, lookahead, device_loop, eos, **kw)
+        assert [(t, f) for t, _, f in got] == [(t, f) for t, _, f in ref], (lookahead, device_loop)
+        for (_, lp, _), (_, lp_ref, _) in zip(got, ref):
+            np.testing.assert_allclose(lp, lp_ref, atol=1e-6)
+        assert (eng.stats["lookahead_dispatches"] > 0) == lookahead
+        assert eng.allocator.num_free == eng.allocator.num_pages - 1  # every page came back

@@ -256,3 +256,26 @@ def test_cli_generate_with_draft_json(tiny_pair_dirs, capsys):
     assert record["tokens_per_step"] >= 1.0 and len(record["acceptance_per_position"]) == K
     assert main(args[:3] + ["--draft", str(target_dir)] + args[5:]) == 2  # a target is no drafter
     assert "not a DSpark" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lanes", [3, 1])
+def test_spec_lookahead_and_device_loop_change_when_not_what(target, random_drafter, lanes):
+    """The speculative engine with look-ahead dispatches and the early-ending device loop gives
+    the same tokens, finish reasons and tokens per verify step as with neither, with EOS inside
+    a dispatch (test_engine.py has the stock twin)."""
+    specs = [(40, 40), (9, 45), (35, 30)]
+    eos = 105  # sampled early enough by these replies: some lanes stop on it
+
+    def run(lookahead, device_loop):
+        eng = Engine(CFG, target, (eos,), EngineConfig(**{
+            **ECFG.__dict__, "max_lanes": lanes, "lookahead": lookahead,
+            "device_loop": device_loop}), drafter=random_drafter, draft_cfg=DCFG)
+        eng.check_carry = True
+        reqs = eng.generate(_requests(specs, temperature=0.8))
+        return [(r.output_ids, r.finish_reason, r.step_tokens) for r in reqs], eng.stats
+
+    ref, ref_stats = run(False, False)
+    got, stats = run(True, True)
+    assert got == ref
+    assert {f for _, f, _ in ref} == {"eos", "length"}
+    assert ref_stats["lookahead_dispatches"] == 0 < stats["lookahead_dispatches"]
