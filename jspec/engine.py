@@ -4,7 +4,8 @@ The host owns the truth about lanes (which request, its pages, its length) and d
 bookkeeping between dispatches: admitting waiting requests into free lanes, reserving pages for
 the next window of `decode_steps` tokens, preempting when the pool runs dry, and retiring
 finished requests. Each decode dispatch runs `decode_steps` tokens for all lanes on the device
-with no host synchronisation in between.
+with no host synchronisation in between, and where it can the engine launches the next dispatch
+before reading the last one's tokens (EngineConfig.lookahead).
 
 Preemption is by recomputation: a preempted request frees its pages and returns to the front of
 the queue; when readmitted, its prompt and the tokens it already produced are prefilled again
@@ -108,14 +109,15 @@ class EngineConfig:
     # speculative engines of a comparison (jspec bench builds both from one base), and a stock
     # engine computes the same bits with or without it. LLM refuses it without a drafter.
     draft_kv_dtype: str | None = None
-    # The decode step loop as one CUDA graph that stops once every lane has ended
-    # (steps.Programs): a dispatch wastes no steps after its replies end, and the call returns
-    # before the device starts.
+    # The decode step loop stops once every lane has ended (steps.Programs), so a dispatch
+    # wastes no steps after its replies end; it is compiled with WHILE / CONDITIONAL command
+    # buffers so that XLA may run the loop as one CUDA graph (not yet confirmed on the H200:
+    # docs/benchmarks.md). False: a fixed-count loop driven from the host.
     device_loop: bool = True
     # Launch the next dispatch before reading this one's tokens, from the state this one leaves
     # on the device, so the device never waits for the host's bookkeeping between dispatches.
     # Only while no request waits for a lane (or with one lane), and when the pool holds the
-    # next two windows of every lane without preempting (_generate's rule).
+    # next two windows of every lane without preempting (Engine._may_look_ahead).
     lookahead: bool = True
 
     # Positions a step may write past the committed length (verify writes K+1); set by Engine.
@@ -425,8 +427,9 @@ class Engine:
         return state, page_table
 
     def _launch(self, ahead: bool = False) -> "_Dispatch":
-        """Launches one device dispatch of `decode_steps` steps (or iterations) for every lane;
-        returns at once (the device loop runs on). Wall time is split into stats:
+        """Launches one device dispatch of `decode_steps` steps (or iterations) for every lane
+        and returns without waiting for its tokens (`_collect` reads them). Wall time is split
+        into stats:
         time_prepare_s (host arrays in), time_call_s (the jitted call until it returns),
         time_wait_s (until the tokens are on the host: the device's share, less what overlapped
         a look-ahead) and time_emit_s (host bookkeeping): what a dispatch costs beyond the
