@@ -21,8 +21,9 @@
 #   bash scripts/gpu_bench.sh busy
 #   bash scripts/gpu_bench.sh peer
 # (Measured on the H200 on 2026-11-30, stand-in pair at T = 1: graft + solo 5.4 min, team about
-# 3 min, busy 4.1 min; with --batch-invariant graft + solo 5.0 min, team 2.8 min. Every stage
-# prints what it took.)
+# 3 min, busy 4.1 min; with --batch-invariant graft + solo 5.0 min, team 2.8 min. On 2026-12-01,
+# with look-ahead dispatches: `graft solo team` 7.2 min in one command, `busy peer` 7.9 min
+# (peer 3.4 min). Every stage prints what it took.)
 # The configuration whose gates can pass (docs/benchmarks.md): verify == decode to the bit needs
 # the batch-invariant kernels in both engines, and busy's memory gate (spec <= stock + 4 GiB)
 # needs the fp8 drafter pool at DSpark-8B size:
