@@ -84,6 +84,7 @@ import numpy as np
 from jspec.atomic import atomic_dir
 from jspec.config import ConfigError, Qwen3Config, PRESETS
 from jspec.convert.safetensors_reader import CheckpointError, index_checkpoint, read_tensor
+from jspec.draft_vocab import ranked_ids_from_rows, write_ranked_ids
 from jspec.dspark import DSparkConfig, drafter_checkpoint_shapes
 from jspec.qwen3 import checkpoint_shapes
 
@@ -723,6 +724,12 @@ def graft(target: str | Path, draft: str | Path, out: str | Path, dflash: str | 
                 write_model(d, items, dtype, shard_mib * 2**20 if sub == "target" and shard_mib else None,
                             log)
                 (d / "config.json").write_text(json.dumps(hf, indent=2))
+                if sub != "target" and plan.multiplicity.max() > 1:
+                    # A compact S (a shared row): its own rows are ranked by corpus frequency,
+                    # the draft vocabulary's ranking (jspec/draft_vocab.py), T's mask id aside.
+                    mask = plan.outputs["target"][0]["jspec_graft"]["mask_token_id"]
+                    write_ranked_ids(d, ranked_ids_from_rows(plan.sigma, plan.multiplicity,
+                                                             exclude=[mask]))
             src, = _sources(target)
             for name in SIDE_FILES:
                 if (src / name).is_file():

@@ -180,10 +180,13 @@ class DSparkDrafter(nnx.Module):
 
     # ---- heads --------------------------------------------------------------------------------
 
-    def markov_bias(self, prev_tokens: Array, hidden: Array | None = None) -> Array:
-        """B(prev, .) [..., V] in fp32; zeros for DFlash."""
+    def markov_bias(self, prev_tokens: Array, hidden: Array | None = None,
+                    w2_rows: Array | None = None) -> Array:
+        """B(prev, .) [..., V] in fp32; zeros for DFlash. `w2_rows` [N, r]: the bias of those
+        W2 rows only [..., N] (a draft vocabulary, jspec/draft_vocab.py)."""
         if self.cfg.is_dflash:
-            return jnp.zeros(prev_tokens.shape + (self.cfg.layers.vocab_size,), jnp.float32)
+            n = self.cfg.layers.vocab_size if w2_rows is None else w2_rows.shape[0]
+            return jnp.zeros(prev_tokens.shape + (n,), jnp.float32)
         e = jnp.take(self.markov_w1[...], prev_tokens, axis=0)
         if self.cfg.markov_head_type == "gated":
             gate_in = jnp.concatenate([hidden, e], axis=-1)
@@ -191,7 +194,8 @@ class DSparkDrafter(nnx.Module):
                                              preferred_element_type=jnp.float32)
                                   + self.markov_gate_bias[...].astype(jnp.float32))
             e = (gate * e.astype(jnp.float32)).astype(e.dtype)
-        return jnp.einsum("...r,vr->...v", e, self.markov_w2[...], preferred_element_type=jnp.float32)
+        w2 = self.markov_w2[...] if w2_rows is None else w2_rows
+        return jnp.einsum("...r,vr->...v", e, w2, preferred_element_type=jnp.float32)
 
     def confidence_logits(self, hidden: Array, prev_tokens: Array) -> Array:
         """z_k = w . [h_k ; W1[x_{k-1}]] + b (a logit; sigmoid gives the acceptance estimate)."""

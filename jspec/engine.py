@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jspec.config import Qwen3Config
+from jspec.draft_vocab import DraftVocab, choose_ids
 from jspec.kernels.linear import check_impl
 from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
 from jspec.qwen3 import Qwen3, fuse_projections
@@ -119,11 +120,18 @@ class EngineConfig:
     # Only while no request waits for a lane (or with one lane), and when the pool holds the
     # next two windows of every lane without preempting (Engine._may_look_ahead).
     lookahead: bool = True
+    # The drafter proposes only the N most frequent token ids (jspec/draft_vocab.py): its head
+    # and sampling steps shrink; the output law is unchanged, acceptance may fall. None: every
+    # id. Needs the ranking (Engine's draft_vocab_ids); a stock engine ignores it.
+    draft_vocab: int | None = None
 
     # Positions a step may write past the committed length (verify writes K+1); set by Engine.
     step_width: int = 1
 
     def __post_init__(self):
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1 (None: the whole vocabulary), got "
+                             f"{self.draft_vocab}")
         if self.draft_kv_dtype not in DRAFT_KV_DTYPES:
             raise ValueError(f"draft_kv_dtype must be one of {DRAFT_KV_DTYPES} (None: the model "
                              f"dtype), got {self.draft_kv_dtype!r}")
@@ -139,8 +147,10 @@ class EngineConfig:
 class Engine:
     def __init__(self, cfg: Qwen3Config, model: Qwen3, eos_ids: Sequence[int],
                  engine_cfg: EngineConfig = EngineConfig(), drafter=None, draft_cfg=None,
-                 num_draft: int | None = None):
+                 num_draft: int | None = None, draft_vocab_ids: Sequence[int] | None = None):
         """Stock decoding, or speculative decoding when a DSpark/DFlash `drafter` is given.
+        `draft_vocab_ids`: token ids ranked by frequency, most frequent first, from which
+        `engine_cfg.draft_vocab` cuts the draft vocabulary (draft_vocab.read_ranked_ids).
 
         The engine takes the modules over: it puts them in the serving layout in place
         (`qwen3.fuse_projections`; `unfuse_projections` restores the checkpoint layout)."""
@@ -185,6 +195,12 @@ class Engine:
             draft_cfg.check_fits(cfg)
             draft_graphdef, draft_params = nnx.split(drafter)
             self.params = (target_params, draft_params)
+            if engine_cfg.draft_vocab is not None:
+                if draft_vocab_ids is None:
+                    raise ValueError("draft_vocab needs the ranked token ids (draft_vocab_ids)")
+                ids = choose_ids(draft_vocab_ids, engine_cfg.draft_vocab, cfg.vocab_size,
+                                 keep=self.eos_ids)
+                self.params += (DraftVocab.build(ids, model, drafter),)
             # The drafter's pool mirrors the target's pages (same page table), with its layers.
             self.draft_cache_shape = dataclasses.replace(
                 self.cache_shape, num_layers=draft_cfg.layers.num_layers,

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jspec.draft_vocab import DraftVocab
 from jspec.dspark import DSparkConfig, DSparkDrafter
 from jspec.kernels.kv_cache_write import write_kv
 from jspec.paged_cache import NULL_PAGE
@@ -59,6 +60,11 @@ class SpecPrograms(Programs):
     def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
         return nnx.merge(self.tg, params[0]), nnx.merge(self.dg, params[1])
 
+    @staticmethod
+    def draft_vocab(params) -> DraftVocab | None:
+        """The engine's draft vocabulary (params[2]), or None: the whole vocabulary."""
+        return params[2] if len(params) > 2 else None
+
     def _write_context(self, drafter: DSparkDrafter, dcaches, taps, positions_1t, slots_t):
         """Drafter context K/V of target-tapped rows, into the draft pool at `slots_t`."""
         kv = drafter.context_kv(drafter.fuse(taps), positions_1t)
@@ -79,8 +85,10 @@ class SpecPrograms(Programs):
 
     # ---- one speculative iteration ------------------------------------------------------------
 
-    def draft(self, target: Qwen3, drafter: DSparkDrafter, dcaches, state: DecodeState):
-        """Returns (dcaches, draft tokens [B,K], q log-probs [B,K,V] f32)."""
+    def draft(self, target: Qwen3, drafter: DSparkDrafter, dcaches, state: DecodeState,
+              vocab: DraftVocab | None = None):
+        """Returns (dcaches, draft tokens [B,K], q log-probs [B,K,V] f32). With a draft
+        `vocab`, the drafter's law lives on its ids (q is -inf elsewhere)."""
         K, B = self.dcfg.block_size, state.tokens.shape[0]
         lanes_t, offs_t = _lane_grid(B, K)
         s_b = state.lengths
@@ -95,12 +103,20 @@ class SpecPrograms(Programs):
                                  impl=self.attn_impl, causal=False)
         emb_1td = target.embed(block_bk.reshape(1, B * K))
         hidden_1td, dcaches = drafter.block_hidden(emb_1td, positions_t[None], attend, dcaches)
-        base_bkv = target.logits(hidden_1td[0].reshape(B, K, -1))  # U, fp32
+        hidden_bkd = hidden_1td[0].reshape(B, K, -1)
+        if vocab is None:
+            base_bkv = target.logits(hidden_bkd)  # U, fp32
+        else:  # U on the draft ids only: the drafter's numbers never touch the output's law
+            base_bkv = jnp.einsum("bkd,nd->bkn", hidden_bkd, vocab.head,
+                                  preferred_element_type=jnp.float32)
+        w2_rows = None if vocab is None else vocab.markov_w2
         prev = state.tokens
         tokens, q_logprobs = [], []
         for k in range(self.k):  # the Markov chain: each step conditions on the sampled previous token
-            logits_bv = base_bkv[:, k] + drafter.markov_bias(prev, hidden_1td[0].reshape(B, K, -1)[:, k])
+            logits_bv = base_bkv[:, k] + drafter.markov_bias(prev, hidden_bkd[:, k], w2_rows)
             x_b, q_bv = draft_sample(logits_bv, state.sampling, s_b + k + 1)
+            if vocab is not None:
+                x_b, q_bv = vocab.ids[x_b], vocab.scatter(q_bv, target.cfg.vocab_size)
             tokens.append(x_b)
             q_logprobs.append(q_bv)
             prev = x_b
@@ -128,7 +144,8 @@ class SpecPrograms(Programs):
         target, drafter = self.models(params)
         tcaches, dcaches = caches
         K, B = self.k, state.tokens.shape[0]
-        dcaches, draft_bk, q_bkv = self.draft(target, drafter, dcaches, state)
+        dcaches, draft_bk, q_bkv = self.draft(target, drafter, dcaches, state,
+                                              self.draft_vocab(params))
         tcaches, logits_bwv, taps, positions_t, slots_t = self.verify(target, tcaches, state, draft_bk)
         result = rejection_sample(logits_bwv, q_bkv, draft_bk, jnp.full((B,), K, jnp.int32),
                                   state.sampling, state.lengths + 1)

@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant")
     ap.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"],
                     help="EngineConfig.draft_kv_dtype (default: the model dtype)")
+    ap.add_argument("--draft-vocab", type=int, help="EngineConfig.draft_vocab: the drafter "
+                    "proposes from N ids (here the first N)")
     ap.add_argument("--skip-iteration", action="store_true", help="only the draft / verify split")
     ap.add_argument("--split-lanes", default="1", help="lane counts at which draft and verify "
                     "are also timed alone (at the first context)")
@@ -71,7 +73,8 @@ def main():
            "page_size": args.page_size, "temperature": args.temperature,
            "top_k": args.top_k, "top_p": args.top_p,
            "candidate_top_k": sampling_module.CANDIDATE_TOP_K,
-           "draft_kv_dtype": args.draft_kv_dtype, "stock": [], "spec": []}
+           "draft_kv_dtype": args.draft_kv_dtype, "draft_vocab": args.draft_vocab,
+           "stock": [], "spec": []}
 
     def save():
         with open(args.out, "w") as f:
@@ -155,7 +158,7 @@ def main():
                             max_context=max(contexts) + (args.steps + 1) * width,
                             decode_steps=args.steps, attn_impl=args.attn_impl,
                             batch_invariant=args.batch_invariant,
-                            draft_kv_dtype=args.draft_kv_dtype)
+                            draft_kv_dtype=args.draft_kv_dtype, draft_vocab=args.draft_vocab)
 
     if not args.skip_stock:
         eng = Engine(cfg, target, (), ecfg_for(1))
@@ -189,7 +192,10 @@ def main():
         save()
         print(json.dumps(rec["stock"]))
         return
-    eng = Engine(cfg, target, (), ecfg_for(8), drafter=drafter, draft_cfg=dcfg)
+    # Random weights have no frequencies: the draft vocabulary is the first N ids (its cost is
+    # what is timed here, not its acceptance).
+    eng = Engine(cfg, target, (), ecfg_for(8), drafter=drafter, draft_cfg=dcfg,
+                 draft_vocab_ids=range(cfg.vocab_size))
     eng.caches = (random_caches(eng.caches[0], 2), random_caches(eng.caches[1], 3))
     # From the pools the engine built (their dtypes), not from the model dtype.
     rec["draft_cache_dtype"] = str(eng.draft_cache_shape.dtype)
@@ -210,7 +216,8 @@ def main():
     save()
     tgt, drf = eng.programs.models(eng.params)
     # Caches donated and returned, as inside the iteration: otherwise every call copies the pool.
-    draft_only = jax.jit(lambda p, dc, st: eng.programs.draft(*eng.programs.models(p), dc, st),
+    draft_only = jax.jit(lambda p, dc, st: eng.programs.draft(*eng.programs.models(p), dc, st,
+                                                              eng.programs.draft_vocab(p)),
                          donate_argnums=(1,))
     verify_only = jax.jit(lambda p, tc, st, d: eng.programs.verify(
         eng.programs.models(p)[0], tc, st, d)[:2], donate_argnums=(1,))

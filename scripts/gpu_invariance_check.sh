@@ -10,6 +10,8 @@
 #   4. PARTS=sampler: stock step and iteration at 1 and 16 lanes at Qwen3's sampling (T 0.7,
 #      top-k 20, top-p 0.8), with small top-k on the candidate path and on the bit search
 #      (--candidate-top-k 0);
+#   4b. PARTS=draftvocab: the speculative iteration and its draft / verify split at 1 and 16
+#      lanes, with the whole vocabulary and with --draft-vocab ${DRAFT_VOCAB:-16384};
 #   5. PARTS=fp8: the fp8 drafter pool at 32 lanes x 4096 (memory by sizes, iteration time);
 #   6. PARTS=linear: the linear kernel's fixed split-K walks against XLA's GEMM
 #      (scripts/bench_linear.py; a default part until 2026-12-01);
@@ -47,6 +49,15 @@ for path in candidate search; do  # small top-k on the candidate path, then on t
     --top-k 20 --top-p 0.8 --candidate-top-k $cand --out "$OUT/steps_qwen_$path.json" \
     > "$OUT/steps_qwen_$path.log" 2>&1
   echo "sampler, top-k by the $path path:"; tail -4 "$OUT/steps_qwen_$path.log"
+done
+fi
+if [[ " $PARTS " == *" draftvocab "* ]]; then  # the draft vocabulary's cost (jspec/draft_vocab.py)
+for dv in "" "--draft-vocab ${DRAFT_VOCAB:-16384}"; do
+  tag=${dv:+_dv}
+  timeout 150 python3 scripts/bench_steps.py --skip-stock --spec-lanes 1,16 --contexts 512 \
+    --split-lanes 1,16 --batch-invariant --draft-kv-dtype float8_e4m3fn $dv \
+    --out "$OUT/steps_spec$tag.json" > "$OUT/steps_spec$tag.log" 2>&1
+  echo "speculative iteration ${dv:-(whole vocabulary)}:"; grep "^spec " "$OUT/steps_spec$tag.log"
 done
 fi
 if [[ " $PARTS " == *" fp8 "* ]]; then

@@ -280,3 +280,35 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
     assert sampling["name"] == "qwen" and sampling["top_k"] > 0 and sampling["top_p"] < 1
     assert not rec["workloads"]["solo"]["recompiled"]
     assert rec["acceptance"]["solo"] >= 1.0 and rec["fidelity"]["mean"] <= 0.002
+
+
+def test_bench_quick_draft_vocabulary(bench_pair, tmp_path):
+    """--draft-vocab N: the spec engine drafts from the N most frequent ids ranked in the
+    drafter's draft_vocab.json; the record says so, and a drafter without the ranking is
+    refused with the file named."""
+    import argparse
+    import shutil
+
+    from jspec.bench.run import add_bench_parser
+    from jspec.config import ConfigError
+    from jspec.draft_vocab import write_ranked_ids
+    target_dir, draft_dir = bench_pair
+    parser = argparse.ArgumentParser(prog="jspec")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+
+    def run(draft, out):
+        return parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft),
+                                  "--out", str(out), "--quick", "--no-progress", "--workloads",
+                                  "solo", "--peer", "off", "--draft-vocab", "64"])
+
+    args = run(draft_dir, tmp_path / "refused")
+    with pytest.raises(ConfigError, match="draft_vocab.json"):
+        args.func(args)
+    ranked = shutil.copytree(draft_dir, tmp_path / "draft")
+    write_ranked_ids(ranked, np.random.default_rng(0).permutation(512).tolist())
+    args = run(ranked, tmp_path / "bench")
+    assert args.func(args) == 0
+    rec = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert "--draft-vocab 64" in rec["env"]["command"]
+    assert not rec["workloads"]["solo"]["recompiled"]
+    assert rec["acceptance"]["solo"] >= 1.0 and rec["fidelity"]["mean"] <= 0.002

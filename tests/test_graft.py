@@ -353,3 +353,24 @@ def test_unplaceable_graft_is_refused_by_the_cli(grafted, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and not (tmp_path / "T").exists()
     assert "between its taps 1 and 4" in err and "3 layer(s)" in err, err
+
+
+def test_graft_writes_the_draft_vocabulary_ranking(grafted):
+    """A compact S (S_a: ids beyond its 1000 rows share one) has its rows ranked by corpus
+    frequency, so the graft writes its own-row ids in row order beside each drafter, without
+    the shared row's ids and T's mask id. S_b has a row for every id (its shared row serves
+    none): no ranking is written."""
+    from jspec.draft_vocab import read_ranked_ids
+    plan, sigma, mult = grafted["plan"], grafted["plan"].sigma, grafted["plan"].multiplicity
+    for kind in [k for k in ("dspark", "dflash") if (grafted["out"] / k).is_dir()]:
+        if mult.max() == 1:
+            assert not (grafted["out"] / kind / "draft_vocab.json").exists()
+            continue
+        ranked = read_ranked_ids(grafted["out"] / kind)
+        assert len(set(ranked)) == len(ranked)
+        assert all(mult[sigma[t]] == 1 for t in ranked)  # own rows only
+        assert MID.mask_token_id not in ranked
+        rows = sigma[np.asarray(ranked)]
+        assert np.all(np.diff(rows) > 0)  # in row order
+        own = np.flatnonzero(mult[sigma] == 1)
+        assert set(ranked) == set(own.tolist()) - {MID.mask_token_id}

@@ -88,6 +88,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"], help="the drafter's KV pool "
                    "dtype (default: the model's); float8_e4m3fn halves it (acceptance may change, "
                    "the output distribution does not)")
+    p.add_argument("--draft-vocab", type=int, metavar="N", help="the drafter proposes only the N "
+                   "most frequent token ids, ranked in DRAFT/draft_vocab.json (jspec/draft_vocab.py;"
+                   " acceptance may change, the output distribution does not)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="target dtype (default: the checkpoint's)")
     p.add_argument("--fresh", action="store_true", help="delete earlier parts in --out first")
@@ -119,6 +122,8 @@ def command_line(args) -> str:
         words.append("--batch-invariant")
     if args.draft_kv_dtype:
         words += ["--draft-kv-dtype", args.draft_kv_dtype]
+    if getattr(args, "draft_vocab", None):
+        words += ["--draft-vocab", str(args.draft_vocab)]
     return " ".join(shlex.quote(w) for w in words)
 
 
@@ -236,7 +241,8 @@ class Bench:
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
                     "dtype": args.dtype, "commit": commit,
                     "batch_invariant": args.batch_invariant,
-                    "draft_kv_dtype": args.draft_kv_dtype}
+                    "draft_kv_dtype": args.draft_kv_dtype,
+                    "draft_vocab": getattr(args, "draft_vocab", None)}
         self.git = {"commit": commit, "dirty": dirty}
         self.env = None
         for src in getattr(args, "merge_parts", None) or []:
@@ -359,6 +365,11 @@ class Bench:
         if not 1 <= self.num_draft <= self.dcfg.block_size:
             raise ValueError(f"--num-draft-tokens must be in 1..{self.dcfg.block_size}")
         self.step_width = max(self.num_draft + 1, self.dcfg.block_size)
+        self.draft_vocab_ids = None
+        if getattr(self.args, "draft_vocab", None) is not None:
+            from jspec.draft_vocab import choose_ids, read_ranked_ids
+            self.draft_vocab_ids = read_ranked_ids(self.args.draft)
+            choose_ids(self.draft_vocab_ids, self.args.draft_vocab, self.cfg.vocab_size)  # checks
 
     # -- one workload ----------------------------------------------------------------------------
 
@@ -378,7 +389,8 @@ class Bench:
         base = dict(max_lanes=spec.lanes, page_size=a.page_size, max_context=max_context,
                     num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl,
                     batch_invariant=a.batch_invariant,
-                    draft_kv_dtype=a.draft_kv_dtype)  # the stock engine ignores it
+                    draft_kv_dtype=a.draft_kv_dtype,  # the stock engine ignores both
+                    draft_vocab=getattr(a, "draft_vocab", None))
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
                 EngineConfig(decode_steps=a.spec_decode_steps, **base))
 
@@ -447,7 +459,7 @@ class Bench:
         stock_pool = tree_bytes(stock.caches)
         spec_eng = self._pair[2] if reuse else committed(Engine(
             self.cfg, self.model, eos, ecfg_spec, drafter=self.drafter, draft_cfg=self.dcfg,
-            num_draft=self.num_draft))
+            num_draft=self.num_draft, draft_vocab_ids=self.draft_vocab_ids))
         warm_spec = self.warm(spec_eng, spec, prompts, "spec")
         mem2 = device_memory()
         self._pair = ((ecfg_stock, ecfg_spec), stock, spec_eng)

@@ -1,0 +1,132 @@
+"""The frequency-ranked draft vocabulary (jspec/draft_vocab.py): choosing and reading the ids,
+and the speculative engine drafting from them without changing the output law."""
+
+import json
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from jspec.config import ConfigError
+from jspec.draft_vocab import (RANKED_IDS_FILE, choose_ids, ranked_ids_from_rows,
+                               read_ranked_ids, write_ranked_ids)
+from jspec.engine import Engine, EngineConfig, Request
+from stats_helpers import chi2_pvalue
+from test_spec_engine import CFG, DCFG, ECFG, K, _requests, bigram_pair
+
+
+def test_choose_ids_cuts_the_ranking_and_keeps_eos():
+    ranked = [7, 3, 9, 1, 5]
+    assert choose_ids(ranked, 3, 10).tolist() == [3, 7, 9]
+    assert choose_ids(ranked, 2, 10, keep=[8, 3]).tolist() == [3, 7, 8]
+    assert choose_ids(ranked, 5, 10).dtype == np.int32
+
+
+@pytest.mark.parametrize("ranked,size,message", [
+    ([1, 2, 3], 0, "must be >= 1"), ([1, 2, 3], 4, "exceeds the 3 ranked ids"),
+    ([1, 2, 1], 3, "repeat"), ([1, 12, 3], 3, "outside the vocabulary"),
+    ([-1, 2, 3], 2, "outside the vocabulary")])
+def test_choose_ids_refuses_bad_input(ranked, size, message):
+    with pytest.raises(ValueError, match=message):
+        choose_ids(ranked, size, 10)
+
+
+def test_ranked_ids_file_round_trip_and_errors(tmp_path):
+    with pytest.raises(ConfigError, match=RANKED_IDS_FILE):
+        read_ranked_ids(tmp_path)
+    write_ranked_ids(tmp_path, np.asarray([4, 2, 9]))
+    assert read_ranked_ids(tmp_path) == [4, 2, 9]
+    (tmp_path / RANKED_IDS_FILE).write_text(json.dumps({"ids": [1]}))
+    with pytest.raises(ConfigError, match="not a draft vocabulary"):
+        read_ranked_ids(tmp_path)
+    (tmp_path / RANKED_IDS_FILE).write_text(json.dumps({"ranked_ids": [1, "x"]}))
+    with pytest.raises(ConfigError, match="not a draft vocabulary"):
+        read_ranked_ids(tmp_path)
+
+
+def test_ranked_ids_from_rows_orders_own_rows():
+    sigma = np.asarray([2, 0, 3, 3, 1, 3])  # ids 2, 3, 5 share row 3
+    mult = np.bincount(sigma, minlength=4)
+    assert ranked_ids_from_rows(sigma, mult) == [1, 4, 0]
+    assert ranked_ids_from_rows(sigma, mult, exclude=[4]) == [1, 0]
+
+
+def _engine(drafter_pair, size, ranked, **kw):
+    t, d = drafter_pair
+    return Engine(CFG, t, kw.pop("eos", ()), EngineConfig(**{**ECFG.__dict__, "draft_vocab": size,
+                                                            **kw}),
+                  drafter=d, draft_cfg=DCFG, draft_vocab_ids=ranked)
+
+
+def test_drafts_come_from_the_draft_vocabulary():
+    """The drafter's tokens are draft ids, and q is a law on them (-inf elsewhere)."""
+    t, d, _ = bigram_pair()
+    ranked = np.random.default_rng(0).permutation(CFG.vocab_size).tolist()
+    eng = _engine((t, d), 40, ranked)
+    eng.generate(_requests([(6, 12), (9, 10)], temperature=1.0))
+    ids = set(choose_ids(ranked, 40, CFG.vocab_size).tolist())
+    state = eng._carry[1]
+    target, drafter = eng.programs.models(eng.params)
+    _, tokens, q = eng.programs.draft(target, drafter, eng.caches[1], state,
+                                      eng.programs.draft_vocab(eng.params))
+    assert set(np.asarray(tokens).ravel().tolist()) <= ids
+    q = np.asarray(q)
+    outside = np.setdiff1d(np.arange(CFG.vocab_size), sorted(ids))
+    assert np.all(np.isneginf(q[..., outside]))
+    np.testing.assert_allclose(np.exp(q).sum(-1), 1.0, atol=1e-5)
+
+
+def test_greedy_with_a_draft_vocabulary_is_stock_greedy(target, random_drafter):
+    from test_spec_engine import SPECS
+    stock = Engine(CFG, target, (), ECFG).generate(_requests(SPECS))
+    ranked = np.random.default_rng(1).permutation(CFG.vocab_size).tolist()
+    spec = _engine((target, random_drafter), 64, ranked).generate(_requests(SPECS))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in stock]
+
+
+def test_draft_vocabulary_keeps_the_sampled_law():
+    """Bigram target on 6 tokens; the drafter proposes only 3 of them (its law is exactly the
+    target's there: an agreeing pair). The emitted pairs (t1, t2), t2 from a speculative
+    iteration, must follow p(t1|x0) p(t2|t1): the other 3 tokens reach the output only through
+    the residual. Negative control: the drafter's own law, zero on those 3 tokens, is refused."""
+    t, d, law = bigram_pair(concentrate=6)
+    eng = Engine(CFG, t, (), EngineConfig(max_lanes=8, page_size=8, max_context=32, prefill_chunk=8,
+                                          decode_steps=1, attn_impl="xla", draft_vocab=3),
+                 drafter=d, draft_cfg=DCFG, draft_vocab_ids=[0, 2, 4, 1, 3, 5])
+    n, x0 = 2400, 3
+    reqs = eng.generate([Request([1, x0], temperature=1.0, max_tokens=3, seed=i) for i in range(n)])
+    pairs = np.array([r.output_ids[:2] for r in reqs])
+    assert pairs.max() < 6
+    counts = np.zeros((6, 6))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    expected = np.outer(law[x0, :6], np.ones(6)) * law[:6, :6]
+    keep = n * expected / expected.sum() > 5
+    p_value = stats.chisquare(counts[keep], expected[keep] * counts[keep].sum()
+                              / expected[keep].sum()).pvalue
+    assert p_value > 1e-3, p_value
+    assert counts[:, [1, 3, 5]].sum() > 100  # tokens no draft can propose are emitted
+    drafts_only = law[:6, :6] * np.isin(np.arange(6), [0, 2, 4])[None]
+    wrong = np.outer(law[x0, :6], np.ones(6)) * drafts_only / drafts_only.sum(1, keepdims=True)
+    assert chi2_pvalue(counts, wrong) < 1e-6
+    assert np.mean([np.mean(r.step_tokens) for r in reqs]) < K  # drafts were rejected too
+
+
+@pytest.fixture(scope="module")
+def target():
+    from test_spec_engine import _scaled
+    from jspec.qwen3 import init_random
+    return _scaled(init_random(CFG, seed=1), 5)
+
+
+@pytest.fixture(scope="module")
+def random_drafter():
+    from test_spec_engine import _scaled
+    from jspec.dspark import init_random_drafter
+    return _scaled(init_random_drafter(DCFG, seed=3), 5)
+
+
+def test_engine_refuses_a_draft_vocabulary_without_ranking(target, random_drafter):
+    with pytest.raises(ValueError, match="draft_vocab_ids"):
+        _engine((target, random_drafter), 10, None)
+    with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
+        EngineConfig(draft_vocab=0)
