@@ -24,6 +24,10 @@
 # measured on 2026-12-01 (docs/benchmarks.md): S 7.3 steps/s (3018 steps in the 412 s its deadline
 # left), the drafters 8.5 (DSpark) and 9.3 (DFlash) steps/s. On one GPU, S makes about half as
 # many steps in the same time: set TARGET_STEPS=1500 there.
+# DRAFT_BATCH (sequences of 2048 tokens per drafter step, 8) and PROMPTS (corpus prompts S replies
+# to, 4096): the drafters ran at about 18 TFLOP/s of the H200's hundreds (an estimate from the
+# step rate and the head's FLOPs, docs/benchmarks.md), so a larger batch may cost little time
+# per step; not yet measured. DRAFT_LR (1.5e-3) goes with it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -40,10 +44,10 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --seq-len 4096 --short-seq-len ${SHORT_SEQ:-1024} --long-every 5 --batch ${TARGET_BATCH:-32}
         --target-steps ${TARGET_STEPS:-3000} --target-lr ${TARGET_LR:-2e-3}
         --eval-every 1000 --eval-rows 64
-        --prompts 4096 --eval-prompts 64 --prompt-min 64 --prompt-max 1024 --reply-tokens 512
+        --prompts ${PROMPTS:-4096} --eval-prompts 64 --prompt-min 64 --prompt-max 1024 --reply-tokens 512
         --reply-lanes 256 --reply-t1
         --draft-seq-len 2048 --draft-layers 2 --block-size 7 --anchors 512 --markov-rank 32
-        --draft-batch 8 --draft-steps ${DRAFT_STEPS:-3000} --draft-lr 1.5e-3
+        --draft-batch ${DRAFT_BATCH:-8} --draft-steps ${DRAFT_STEPS:-3000} --draft-lr ${DRAFT_LR:-1.5e-3}
         --draft-minutes ${DRAFT_MINUTES:-4.5}
         --compute-dtype bfloat16 --export-dtype float32 --attn cudnn --no-remat --ckpt-every 1000
         --log-every 20 --quiet)
