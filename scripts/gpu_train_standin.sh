@@ -25,9 +25,9 @@
 # left), the drafters 8.5 (DSpark) and 9.3 (DFlash) steps/s. On one GPU, S makes about half as
 # many steps in the same time: set TARGET_STEPS=1500 there.
 # DRAFT_BATCH (sequences of 2048 tokens per drafter step, 8) and PROMPTS (corpus prompts S replies
-# to, 4096): the drafters ran at about 18 TFLOP/s of the H200's hundreds (an estimate from the
-# step rate and the head's FLOPs, docs/benchmarks.md), so a larger batch may cost little time
-# per step; not yet measured. DRAFT_LR (1.5e-3) goes with it.
+# to, 4096). By count, a drafter step is about 1.6 TFLOP (mostly the 28,672 block rows' two
+# vocabulary projections, drafter and target), so at 8.5 steps/s the H200 did about 14 TFLOP/s:
+# a larger batch may cost little time per step. Not yet measured. DRAFT_LR (1.5e-3) goes with it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
