@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 from jspec.atomic import atomic_dir
 from jspec.config import ConfigError, Qwen3Config
 from jspec.convert.safetensors_reader import index_checkpoint, read_tensor
+from jspec.draft_vocab import RANKED_IDS_FILE, ranked_ids_from_rows
 
 QWEN3_VOCAB = 151936
 DSPARK_MASK_ID = 151669  # the first unused Qwen3 id, DSpark's mask token
@@ -51,11 +52,14 @@ def _read_dir(src: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return hf, {name: read_tensor(info) for name, info in index_checkpoint(src).items()}
 
 
-def _write_dir(dst: Path, hf: dict, tensors: dict[str, np.ndarray], side_from: Path | None) -> Path:
-    """Atomic: built beside dst and renamed into place."""
+def _write_dir(dst: Path, hf: dict, tensors: dict[str, np.ndarray], side_from: Path | None,
+               extra: dict[str, str] | None = None) -> Path:
+    """Atomic: built beside dst and renamed into place. `extra`: more files, name -> text."""
     with atomic_dir(dst) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         for name in SIDE_FILES if side_from else ():
             if (side_from / name).is_file():
                 shutil.copy2(side_from / name, tmp / name)
@@ -101,7 +105,7 @@ def expand_drafter(src: str | Path, dst: str | Path, target_src: str | Path, *,
     if int(hf["vocab_size"]) != int(target_hf["vocab_size"]):
         raise ConfigError(f"drafter {src} has vocab_size {hf['vocab_size']}, its target "
                           f"{target_src} {target_hf['vocab_size']}")
-    sigma, _ = compact_law(target_hf, vocab_size, int(hf["mask_token_id"]), mask_token_id)
+    sigma, mult = compact_law(target_hf, vocab_size, int(hf["mask_token_id"]), mask_token_id)
     out = {}
     for k, v in tensors.items():
         if k in ("embed_tokens.weight", "lm_head.weight"):
@@ -109,7 +113,10 @@ def expand_drafter(src: str | Path, dst: str | Path, target_src: str | Path, *,
         out[k] = _cast(v[sigma] if k in _VOCAB_KEYS else v, dtype)
     new_hf = {k: v for k, v in hf.items() if not k.startswith("jspec_")}
     new_hf.update(vocab_size=vocab_size, mask_token_id=mask_token_id, torch_dtype=dtype)
-    return _write_dir(Path(dst), new_hf, out, None)
+    # S's own rows are ranked by corpus frequency: the draft vocabulary's ranking.
+    ranked = ranked_ids_from_rows(sigma, mult, exclude=[mask_token_id])
+    return _write_dir(Path(dst), new_hf, out, None,
+                      extra={RANKED_IDS_FILE: json.dumps({"ranked_ids": ranked})})
 
 
 def main(argv=None) -> int:

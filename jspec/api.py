@@ -66,14 +66,16 @@ class LLM:
                  max_context: int = 4096, page_size: int = 16, num_pages: int | None = None,
                  decode_steps: int | None = None, prefill_chunk: int = 256, attn_impl: str = "auto",
                  batch_invariant: bool = False, draft_kv_dtype: str | None = None,
-                 progress: bool = False):
+                 draft_vocab: int | None = None, progress: bool = False):
         """`draft`: a DSpark / DFlash drafter directory for `model`; speculative decoding then
         proposes `num_draft_tokens` (default: the drafter's block size) tokens per step.
         `batch_invariant` (GPU): the target's matmuls and attention through batch-invariant
         kernels, so its numbers never depend on what is batched with a request or on how many
         tokens a step verifies (EngineConfig.batch_invariant).
         `draft_kv_dtype`: the drafter's KV pool dtype, None (the model's) or "float8_e4m3fn"
-        (half the pool in bf16; changes acceptance only, never the output distribution)."""
+        (half the pool in bf16; changes acceptance only, never the output distribution).
+        `draft_vocab`: the drafter proposes only the N most frequent token ids, ranked in the
+        drafter directory's draft_vocab.json (jspec/draft_vocab.py; the same: acceptance only)."""
         from jspec.loading import load_drafter, load_model
         from jspec.tokenizer import Tokenizer
 
@@ -89,6 +91,12 @@ class LLM:
             raise ValueError("num_draft_tokens needs a draft model")
         elif draft_kv_dtype is not None:
             raise ValueError("draft_kv_dtype needs a draft model (it is the drafter's KV pool)")
+        elif draft_vocab is not None:
+            raise ValueError("draft_vocab needs a draft model")
+        ranked = None
+        if draft_vocab is not None:
+            from jspec.draft_vocab import read_ranked_ids
+            ranked = read_ranked_ids(draft)
         try:
             self.tokenizer = Tokenizer.from_dir(self.model_dir)
         except (FileNotFoundError, ValueError) as e:
@@ -99,8 +107,10 @@ class LLM:
         self.engine = Engine(self.cfg, model_module, self.tokenizer.eos_ids, EngineConfig(
             max_lanes=max_lanes, page_size=page_size, max_context=max_context, num_pages=num_pages,
             prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl,
-            batch_invariant=batch_invariant, draft_kv_dtype=draft_kv_dtype),
-            drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens)
+            batch_invariant=batch_invariant, draft_kv_dtype=draft_kv_dtype,
+            draft_vocab=draft_vocab),
+            drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens,
+            draft_vocab_ids=ranked)
         self._seeds = np.random.default_rng()
 
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

@@ -35,7 +35,8 @@ def _cmd_generate(args) -> int:
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
               max_lanes=args.max_lanes, max_context=args.max_context, attn_impl=args.attn_impl,
-              batch_invariant=args.batch_invariant, draft_kv_dtype=args.draft_kv_dtype)
+              batch_invariant=args.batch_invariant, draft_kv_dtype=args.draft_kv_dtype,
+              draft_vocab=args.draft_vocab)
     stream = not args.json and len(prompts) == 1
 
     def on_text(i, text):
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "kernels (a request's numbers never depend on its batch or the verify width)")
     p.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"], help="with --draft: the "
                    "drafter's KV pool dtype (default: the model's); float8_e4m3fn halves it and "
+                   "changes acceptance only, never the output distribution")
+    p.add_argument("--draft-vocab", type=int, metavar="N", help="with --draft: the drafter "
+                   "proposes only the N most frequent ids (ranked in DRAFT/draft_vocab.json); "
                    "changes acceptance only, never the output distribution")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=_cmd_generate)

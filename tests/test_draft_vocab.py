@@ -12,7 +12,9 @@ from jspec.draft_vocab import (RANKED_IDS_FILE, choose_ids, ranked_ids_from_rows
                                read_ranked_ids, write_ranked_ids)
 from jspec.engine import Engine, EngineConfig, Request
 from stats_helpers import chi2_pvalue
-from test_spec_engine import CFG, DCFG, ECFG, K, _requests, bigram_pair
+# The pair and fixtures of the speculative engine's tests (fixtures imported are registered here).
+from test_spec_engine import (CFG, DCFG, ECFG, K, SPECS, _requests, bigram_pair,  # noqa: F401
+                              random_drafter, target, tiny_pair_dirs)
 
 
 def test_choose_ids_cuts_the_ranking_and_keeps_eos():
@@ -77,7 +79,6 @@ def test_drafts_come_from_the_draft_vocabulary():
 
 
 def test_greedy_with_a_draft_vocabulary_is_stock_greedy(target, random_drafter):
-    from test_spec_engine import SPECS
     stock = Engine(CFG, target, (), ECFG).generate(_requests(SPECS))
     ranked = np.random.default_rng(1).permutation(CFG.vocab_size).tolist()
     spec = _engine((target, random_drafter), 64, ranked).generate(_requests(SPECS))
@@ -111,22 +112,39 @@ def test_draft_vocabulary_keeps_the_sampled_law():
     assert np.mean([np.mean(r.step_tokens) for r in reqs]) < K  # drafts were rejected too
 
 
-@pytest.fixture(scope="module")
-def target():
-    from test_spec_engine import _scaled
-    from jspec.qwen3 import init_random
-    return _scaled(init_random(CFG, seed=1), 5)
-
-
-@pytest.fixture(scope="module")
-def random_drafter():
-    from test_spec_engine import _scaled
-    from jspec.dspark import init_random_drafter
-    return _scaled(init_random_drafter(DCFG, seed=3), 5)
-
-
 def test_engine_refuses_a_draft_vocabulary_without_ranking(target, random_drafter):
     with pytest.raises(ValueError, match="draft_vocab_ids"):
         _engine((target, random_drafter), 10, None)
     with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
         EngineConfig(draft_vocab=0)
+
+
+def test_api_and_cli_with_a_draft_vocabulary(tiny_pair_dirs, tmp_path, capsys):
+    """LLM(draft_vocab=N) and `jspec generate --draft-vocab N` read the ranking beside the
+    drafter: greedy output equals stock's; a drafter without the ranking, a missing drafter and
+    a bad N are refused with the problem named."""
+    import shutil
+
+    from jspec.api import LLM, SamplingParams
+    from jspec.cli import main
+    target_dir, draft_dir = tiny_pair_dirs
+    ranked_dir = shutil.copytree(draft_dir, tmp_path / "ranked")
+    write_ranked_ids(ranked_dir, np.random.default_rng(2).permutation(CFG.vocab_size).tolist())
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    stock = LLM(target_dir, max_lanes=2, max_context=128, attn_impl="xla").generate(["def f(x):"],
+                                                                                    greedy)
+    spec = LLM(target_dir, draft=ranked_dir, draft_vocab=100, max_lanes=2, max_context=128,
+               attn_impl="xla").generate(["def f(x):"], greedy)
+    assert spec[0].token_ids == stock[0].token_ids and spec[0].tokens_per_step >= 1.0
+    with pytest.raises(ConfigError, match=RANKED_IDS_FILE):
+        LLM(target_dir, draft=draft_dir, draft_vocab=100, max_context=128, attn_impl="xla")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LLM(target_dir, draft_vocab=100, max_context=128, attn_impl="xla")
+    args = ["generate", "--model", str(target_dir), "--draft", str(ranked_dir), "--prompt",
+            "def f(x):", "--max-tokens", "8", "--max-context", "128", "--attn-impl", "xla",
+            "--json"]
+    assert main(args + ["--draft-vocab", "100"]) == 0
+    capsys.readouterr()
+    assert main(args + ["--draft-vocab", "100000"]) == 2
+    assert "exceeds the 512 ranked ids" in capsys.readouterr().err
+
