@@ -118,6 +118,11 @@ def parse_args(argv=None):
     g.add_argument("--reply-batch", type=int, default=32)
     g = ap.add_argument_group("drafters (DSpark and the DFlash ablation, same budget)")
     g.add_argument("--draft-seq-len", type=int, default=2048)
+    g.add_argument("--pack-replies", action=argparse.BooleanOptionalAction, default=True,
+                   help="pack several prompt + reply sequences into each training row, kept apart "
+                        "by segment ids (a reply of ~200 tokens would otherwise leave most of a "
+                        "2048-token row, and most of its anchors, to padding); held-out rows stay one "
+                        "sequence each")
     g.add_argument("--draft-layers", type=int, default=5)
     g.add_argument("--tap-layers", help="comma-separated target layers (default: 5 evenly in [1, L-3])")
     g.add_argument("--block-size", type=int, default=7)
@@ -322,13 +327,24 @@ def stage_target(args, out: Path, target_cfg, train_docs, held_docs, tok_dir, eo
     return load_model(export)[1], held_loss
 
 
-def cudnn_attention_works() -> bool:
+def cudnn_attention_works(segments: bool = False) -> bool:
+    """cuDNN's fused causal attention runs here (and, with `segments`, with a packed row's
+    segment mask, matching the dense masked softmax)."""
     import jax
     import jax.numpy as jnp
+    from jspec.train.target import training_attention
     try:
         x = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
         jax.block_until_ready(jax.jit(lambda q: jax.nn.dot_product_attention(
             q, q, q, is_causal=True, implementation="cudnn"))(x))
+        if segments:
+            q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 256, 2, 128), jnp.bfloat16)
+            seg = jnp.asarray([[1] * 100 + [2] * 150 + [0] * 6, [1] * 256], jnp.int32)
+            run = lambda impl: jax.jit(lambda q, k, v: training_attention(impl, seg)(0, q, k, v, None)[0])(q, k, v)
+            err = float(jnp.abs(run("cudnn").astype(jnp.float32) - run("dense").astype(jnp.float32)).max())
+            if not err < 3e-2:
+                log(f"cuDNN attention with a segment mask differs from the dense one by {err}")
+                return False
         return True
     except Exception as e:  # no GPU, old cuDNN, unsupported shape: say why and fall back
         log(f"cuDNN attention check failed: {type(e).__name__}: {str(e)[:200]}")
@@ -470,7 +486,7 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     before = evaluate()
     manager = CheckpointManager(out / "ckpt" / name)
     run_id = {"corpus_sha256": args.corpus_sha256, "reply_tokens": int(train["loss_mask"].sum()),
-              "init": init}
+              "init": init, "rows": len(train["tokens"])}
     if resume(trainer, manager, expect=run_id) is not None:
         log(f"{name}: resumed at step {trainer.state.step}")
     loss_log = LossLog(out / "logs" / f"{name}.jsonl", resume_step=trainer.state.step or None)
@@ -666,16 +682,19 @@ def light_state(args, out: Path):
 def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir, train_pr, eval_pr,
                    eval_t1_pr, target_summary):
     from jspec.train import drafter as drafter_training
-    from jspec.train.data import reply_arrays
+    from jspec.train.data import pack_reply_arrays, reply_arrays
     from jspec.train.drafter import drafter_config
-    if args.attn == "cudnn" and not cudnn_attention_works():
+    if args.attn == "cudnn" and not cudnn_attention_works(segments=args.pack_replies):
         args.attn = "dense"
     rows_of = vocab.docs_to_rows if vocab else (lambda docs: docs)
-    train = reply_arrays(rows_of(train_pr[0]), rows_of(train_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
+    to_rows = pack_reply_arrays if args.pack_replies else reply_arrays
+    train = to_rows(rows_of(train_pr[0]), rows_of(train_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
     held = reply_arrays(rows_of(eval_pr[0]), rows_of(eval_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
     held_t1 = None if eval_t1_pr is None else reply_arrays(rows_of(eval_t1_pr[0]), rows_of(eval_t1_pr[1]),
                                                            args.draft_seq_len, pad_id=args.sep_id)
-    log(f"drafter data: {len(train['tokens'])} training sequences, {int(train['loss_mask'].sum()):,} reply tokens")
+    log(f"drafter data: {len(train_pr[0])} training sequences"
+        + (f" packed into {len(train['tokens'])} rows" if args.pack_replies else "")
+        + f", {int(train['loss_mask'].sum()):,} reply tokens")
 
     taps = tuple(int(i) for i in args.tap_layers.split(",")) if args.tap_layers else None
     summary = {"target": target_summary}

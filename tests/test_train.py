@@ -19,8 +19,8 @@ from jspec.train import OptimConfig, TrainState
 from jspec.train.checkpointing import (CheckpointManager, LossLog, export_drafter, export_target,
                                        fit, resume)
 from jspec.train.data import (BatchOrder, batch_source, corpus_manifest, gather_corpus, make_prompts,
-                              pack_documents, read_replies, reply_arrays, split_documents,
-                              write_replies)
+                              pack_documents, pack_reply_arrays, read_replies, reply_arrays,
+                              split_documents, write_replies)
 from jspec.train.drafter import (DFLASH_LOSS, DrafterTrainConfig, DrafterTrainer, drafter_config,
                                  sample_anchors, sample_replies, training_block_logits)
 from jspec.train.target import TargetTrainConfig, TargetTrainer
@@ -199,6 +199,70 @@ def test_training_block_logits_equal_inference_draft(random_pair):
     assert w[0, 7].tolist() == [1.0, np.float32(np.exp(-0.25)), 0.0, 0.0]  # 29 + 3 = S: past the end
     assert w[1, 3:].sum() == 0 and w[1, 2].tolist() == [1.0, 0.0, 0.0, 0.0]  # the reply ends at 14
     np.testing.assert_allclose(w[1, 1], [1.0, np.exp(-0.25), np.exp(-0.5), 0.0], rtol=1e-6)
+
+
+def test_pack_reply_arrays_keeps_every_sequence_whole():
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 60, int(n)).tolist() for n in rng.integers(0, 12, 40)]
+    replies = [rng.integers(2, 60, int(n)).tolist() for n in rng.integers(1, 20, 40)]
+    single = reply_arrays(prompts, replies, SEQ, pad_id=0)
+    packed = pack_reply_arrays(prompts, replies, SEQ, pad_id=0)
+    again = pack_reply_arrays(prompts, replies, SEQ, pad_id=0)
+    assert all(np.array_equal(packed[k], again[k]) for k in packed)  # deterministic
+    n = SEQ - np.argmax(single["loss_mask"][:, ::-1], 1)  # each sequence's length
+    assert len(packed["tokens"]) <= np.ceil(11 / 9 * n.sum() / SEQ) + 1  # best fit decreasing's bound
+    assert len(packed["tokens"]) < 0.7 * len(single["tokens"])
+    assert packed["loss_mask"].sum() == single["loss_mask"].sum()  # every reply token kept
+    found = []
+    for r, seg in enumerate(packed["segment_ids"]):
+        used = int((seg > 0).sum())
+        assert (seg[used:] == 0).all() and (np.diff(seg[:used]) >= 0).all() and seg[0] == 1
+        assert (np.diff(seg[:used]) <= 1).all()  # segments 1, 2, ... side by side, padding last
+        for sid in range(1, seg.max() + 1):
+            where = np.flatnonzero(seg == sid)
+            assert packed["positions"][r, where].tolist() == list(range(len(where)))
+            found.append((packed["tokens"][r, where].tolist(), packed["loss_mask"][r, where].tolist()))
+        assert (packed["tokens"][r, used:] == 0).all() and not packed["loss_mask"][r, used:].any()
+    want = [(t[:k].tolist(), m[:k].tolist()) for t, m, k in zip(single["tokens"], single["loss_mask"], n)]
+    assert sorted(found) == sorted(want)  # each sequence exactly once, unchanged
+
+
+def test_packed_rows_train_as_each_sequence_alone(random_pair):
+    """Blocks of sequences packed into one row (segment ids, own positions) give the logits,
+    labels and weights the same sequences give alone; a reply that starts right after another
+    sequence's reply (an empty prompt) does not run into it. Negative control: the packed row
+    read as one sequence gives other logits."""
+    target, drafter, block_logits, _ = random_pair
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 60, 4).tolist(), [], rng.integers(2, 60, 3).tolist()]
+    replies = [rng.integers(2, 60, n).tolist() for n in (7, 8, 9)]  # lengths 11, 8, 12
+    single = reply_arrays(prompts, replies, SEQ, pad_id=0)
+    packed = pack_reply_arrays(prompts, replies, SEQ, pad_id=0)
+    offsets = np.array([0, 11, 19])  # one row, the sequences in their order
+    assert packed["segment_ids"][0].tolist() == [1] * 11 + [2] * 8 + [3] * 12 + [0]
+    anchors_1 = np.array([[4, 6, 8, 9], [0, 3, 5, 6], [3, 5, 8, 10]], np.int32)
+    keep_1 = np.ones((3, 4), bool)
+    logits_1, conf_1, lay_1 = block_logits(*map(jnp.asarray, (single["tokens"], single["loss_mask"],
+                                                            anchors_1, keep_1)))
+    anchors_p = (anchors_1 + offsets[:, None]).reshape(1, 12)  # sorted already
+    packed_args = (packed["tokens"], packed["loss_mask"], anchors_p, np.ones((1, 12), bool))
+    logits_p, conf_p, lay_p = block_logits(*map(jnp.asarray, packed_args + (packed["segment_ids"],
+                                                                           packed["positions"])))
+    per_seq = lambda x: np.asarray(x).reshape((3, 4) + np.asarray(x).shape[2:])
+    for key in ("weights", "eval_mask"):
+        np.testing.assert_array_equal(per_seq(lay_p[key]), np.asarray(lay_1[key]), err_msg=key)
+    # Rows past a sequence's end weigh 0 (their teacher-forced prev token is the next sequence's).
+    live = np.asarray(lay_1["eval_mask"])
+    assert live.sum() > 30
+    for key in ("labels", "prev"):
+        np.testing.assert_array_equal(per_seq(lay_p[key])[live], np.asarray(lay_1[key])[live], err_msg=key)
+    scale = float(jnp.abs(logits_1).max())
+    np.testing.assert_allclose(per_seq(logits_p)[live], np.asarray(logits_1)[live], atol=2e-5 * scale)
+    np.testing.assert_allclose(per_seq(conf_p)[live], np.asarray(conf_1)[live], rtol=1e-4, atol=1e-4)
+    # the first reply's last block (anchor 9) stops at its end, where the next reply begins
+    assert np.asarray(lay_1["weights"])[0, 3].tolist() == [1.0, 0.0, 0.0, 0.0]
+    as_one, _, _ = block_logits(*map(jnp.asarray, packed_args))
+    assert np.abs(per_seq(as_one)[1:][live[1:]] - np.asarray(logits_1)[1:][live[1:]]).max() > 1e-2 * scale
 
 
 def test_drafter_loss_is_deepspec_objective(random_pair):

@@ -164,6 +164,47 @@ def reply_arrays(prompts: Sequence[list[int]], replies: Sequence[list[int]], seq
     return {"tokens": np.stack(rows), "loss_mask": np.stack(masks)}
 
 
+def pack_reply_arrays(prompts: Sequence[list[int]], replies: Sequence[list[int]], seq_len: int,
+                      pad_id: int, min_loss_tokens: int = 2) -> dict[str, np.ndarray]:
+    """reply_arrays' sequences packed several to a row, so a row holds more reply tokens (the
+    anchors a drafter step trains on) than one short reply and its padding. Returns tokens,
+    loss_mask, segment_ids [N, seq_len] int32 (1, 2, ... per sequence in its row, 0 on padding)
+    and positions (each sequence's own positions 0, 1, ...: the ones inference gives it).
+    Training keeps sequences apart by their segment ids, so each computes exactly what it would
+    alone. Packing is best-fit decreasing over the lengths: deterministic, and the batch order
+    shuffles the rows."""
+    import bisect
+    single = reply_arrays(prompts, replies, seq_len, pad_id, min_loss_tokens)
+    # Each sequence ends with its reply: its length is one past its last reply token.
+    lengths = seq_len - np.argmax(single["loss_mask"][:, ::-1], axis=1)
+    room: list[tuple[int, int]] = []  # (free tokens, row), sorted: the best fit is a bisect away
+    rows: list[list[int]] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        j = bisect.bisect_left(room, (int(lengths[i]), -1))
+        if j == len(room):
+            rows.append([int(i)])
+            free, r = seq_len - int(lengths[i]), len(rows) - 1
+        else:
+            free, r = room.pop(j)
+            rows[r].append(int(i))
+            free -= int(lengths[i])
+        bisect.insort(room, (free, r))
+    out = {"tokens": np.full((len(rows), seq_len), pad_id, np.int32),
+           "loss_mask": np.zeros((len(rows), seq_len), bool),
+           "segment_ids": np.zeros((len(rows), seq_len), np.int32),
+           "positions": np.zeros((len(rows), seq_len), np.int32)}
+    for r, members in enumerate(rows):
+        start = 0
+        for seg, i in enumerate(sorted(members), 1):
+            n = int(lengths[i])
+            out["tokens"][r, start:start + n] = single["tokens"][i, :n]
+            out["loss_mask"][r, start:start + n] = single["loss_mask"][i, :n]
+            out["segment_ids"][r, start:start + n] = seg
+            out["positions"][r, start:start + n] = np.arange(n)
+            start += n
+    return out
+
+
 def write_replies(path: str | Path, prompts: Sequence[list[int]], replies: Sequence[list[int]]) -> None:
     with open(path, "w") as f:
         for p, r in zip(prompts, replies, strict=True):

@@ -84,12 +84,15 @@ def drafter_config(target: Qwen3Config, *, draft_layers: int, mask_token_id: int
 
 # ---- anchors and block layout ---------------------------------------------------------------------
 
-def sample_anchors(key: Array, loss_mask_bs: Array, num_anchors: int) -> tuple[Array, Array]:
+def sample_anchors(key: Array, loss_mask_bs: Array, num_anchors: int,
+                   segment_ids_bs: Array | None = None) -> tuple[Array, Array]:
     """anchors [B, A] (sorted positions; dummies 0 at the end) and keep [B, A]."""
     B, S = loss_mask_bs.shape
     if num_anchors > S - 1:
         raise ValueError(f"num_anchors {num_anchors} exceeds the {S - 1} candidate positions")
     cand_bp = loss_mask_bs[:, :-1] & loss_mask_bs[:, 1:]  # anchor and its first label in the reply
+    if segment_ids_bs is not None:  # ... of the same packed sequence
+        cand_bp &= segment_ids_bs[:, :-1] == segment_ids_bs[:, 1:]
     score_bp = jnp.where(cand_bp, jax.random.uniform(key, cand_bp.shape), -1.0)
     top_score, top_pos = jax.lax.top_k(score_bp, num_anchors)  # uniform without replacement
     keep = top_score >= 0
@@ -100,39 +103,59 @@ def sample_anchors(key: Array, loss_mask_bs: Array, num_anchors: int) -> tuple[A
 
 
 def block_layout(tokens_bs: Array, loss_mask_bs: Array, anchors_ba: Array, keep_ba: Array,
-                 dcfg: DSparkConfig, gamma: float) -> dict[str, Array]:
-    """Per block row [B, A, block]: input token and position, teacher-forced prev token, label,
-    the target row that predicts the label, eval mask and loss weight."""
+                 dcfg: DSparkConfig, gamma: float, segment_ids_bs: Array | None = None,
+                 positions_bs: Array | None = None) -> dict[str, Array]:
+    """Per block row [B, A, block]: input token and (RoPE) position, teacher-forced prev token,
+    label, the target row that predicts the label, eval mask and loss weight; and per block
+    [B, A, S] which context keys its queries see (t < p, in the anchor's packed sequence)."""
     S = tokens_bs.shape[1]
     k = jnp.arange(dcfg.block_size)
-    pos_bak = anchors_ba[..., None] + k                   # input positions p..p+block-1
+    pos_bak = anchors_ba[..., None] + k                   # row indices p..p+block-1
     take = lambda x, idx: jnp.take_along_axis(x, jnp.minimum(idx, S - 1).reshape(x.shape[0], -1),
                                               axis=1).reshape(idx.shape)
     anchor_tok = take(tokens_bs, pos_bak[..., :1])
     block_tokens = jnp.where((k == 0) & keep_ba[..., None], anchor_tok, dcfg.mask_token_id)
     label_ok = (pos_bak + 1 < S) & take(loss_mask_bs, pos_bak + 1)
+    sees_ctx_bas = jnp.arange(S) < anchors_ba[..., None]
+    rope_bak = pos_bak
+    if segment_ids_bs is not None:
+        anchor_seg_ba = take(segment_ids_bs, anchors_ba)
+        label_ok &= take(segment_ids_bs, pos_bak + 1) == anchor_seg_ba[..., None]
+        sees_ctx_bas &= segment_ids_bs[:, None, :] == anchor_seg_ba[..., None]
+    if positions_bs is not None:
+        rope_bak = take(positions_bs, anchors_ba)[..., None] + k
     eval_mask = (jnp.cumprod(label_ok, axis=-1) > 0) & keep_ba[..., None]
     weights = jnp.exp(-k / gamma).astype(jnp.float32) * eval_mask
-    return {"block_tokens": block_tokens.astype(jnp.int32), "positions": pos_bak.astype(jnp.int32),
+    return {"block_tokens": block_tokens.astype(jnp.int32), "positions": rope_bak.astype(jnp.int32),
             "prev": take(tokens_bs, pos_bak), "labels": take(tokens_bs, pos_bak + 1),
-            "target_index": jnp.minimum(pos_bak, S - 1), "eval_mask": eval_mask, "weights": weights}
+            "target_index": jnp.minimum(pos_bak, S - 1), "eval_mask": eval_mask, "weights": weights,
+            "sees_ctx": sees_ctx_bas}
 
 
-def block_attention(ctx_kv: list[tuple[Array, Array]], anchors_ba: Array, block: int):
-    """Dense attention of the flattened blocks [B, A*block] over [context ; blocks]: a query of
-    the block anchored at p sees context keys t < p and its own block's keys, nothing else."""
-    B, A = anchors_ba.shape
-    S = ctx_kv[0][0].shape[1]
-    anchor_bq = jnp.repeat(anchors_ba, block, axis=1)
-    sees_ctx_bqs = jnp.arange(S)[None, None, :] < anchor_bq[:, :, None]
-    block_id = jnp.arange(A * block) // block
-    sees_block_qq = block_id[:, None] == block_id[None, :]  # every query sees its own block
-    mask = jnp.concatenate([sees_ctx_bqs, jnp.broadcast_to(sees_block_qq, (B, A * block, A * block))], -1)
+def block_attention(ctx_kv: list[tuple[Array, Array]], sees_ctx_bas: Array, block: int):
+    """Attention of the flattened blocks [B, A*block]: a query of a block sees the context keys
+    its block may (sees_ctx [B, A, S]) and its own block's keys, nothing else. Computed as the
+    two parts, context [.., S] and own block [.., block], under one softmax, so the keys of the
+    other blocks (which every query would mask) cost nothing."""
 
     def attend(layer_idx, q, k, v, cache):
-        k_all = jnp.concatenate([ctx_kv[layer_idx][0].astype(k.dtype), k], axis=1)
-        v_all = jnp.concatenate([ctx_kv[layer_idx][1].astype(v.dtype), v], axis=1)
-        return dense_attention(q, k_all, v_all, mask), cache
+        B, Q, Hq, hd = q.shape
+        A, Hkv = Q // block, k.shape[2]
+        f32 = jnp.float32
+        k_ctx, v_ctx = (x.astype(k.dtype) for x in ctx_kv[layer_idx])
+        q_balkgh = q.reshape(B, A, block, Hkv, Hq // Hkv, hd)
+        k_balkh, v_balkh = (x.reshape(B, A, block, Hkv, hd) for x in (k, v))
+        s_ctx = jnp.einsum("balkgh,bskh->bkgals", q_balkgh, k_ctx, preferred_element_type=f32)
+        s_ctx = jnp.where(sees_ctx_bas[:, None, None, :, None, :], s_ctx * hd ** -0.5, -jnp.inf)
+        s_blk = jnp.einsum("balkgh,bamkh->bkgalm", q_balkgh, k_balkh,
+                           preferred_element_type=f32) * hd ** -0.5
+        top = jax.lax.stop_gradient(jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True)))
+        e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)
+        denom = e_ctx.sum(-1, keepdims=True) + e_blk.sum(-1, keepdims=True)
+        p_ctx, p_blk = (e_ctx / denom).astype(v.dtype), (e_blk / denom).astype(v.dtype)
+        out = (jnp.einsum("bkgals,bskh->balkgh", p_ctx, v_ctx, preferred_element_type=f32)
+               + jnp.einsum("bkgalm,bamkh->balkgh", p_blk, v_balkh, preferred_element_type=f32))
+        return out.reshape(B, Q, Hq, hd).astype(q.dtype), cache
 
     return attend
 
@@ -141,17 +164,21 @@ def block_attention(ctx_kv: list[tuple[Array, Array]], anchors_ba: Array, block:
 
 def draft_hidden(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, anchors_ba: Array,
                  layout: dict[str, Array], *, target_attn_impl: str = "dense",
-                 remat: bool = False) -> tuple[Array, Array]:
+                 remat: bool = False, segment_ids_bs: Array | None = None,
+                 positions_bs: Array | None = None) -> tuple[Array, Array]:
     """(draft final-normed hidden, target final-normed hidden at each row's target_index), both
-    [B, A, block, D]. The target is frozen: no gradient reaches it."""
+    [B, A, block, D]. The target is frozen: no gradient reaches it. Packed rows pass their
+    segment ids and positions (the target then attends within each sequence)."""
     B, S = tokens_bs.shape
     A, blk = anchors_ba.shape[1], drafter.cfg.block_size
+    if positions_bs is None:
+        positions_bs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     hidden_bsd, taps = target_forward(target, tokens_bs, attn_impl=target_attn_impl,
-                                      tap_layers=drafter.cfg.target_layer_ids)
+                                      tap_layers=drafter.cfg.target_layer_ids,
+                                      positions_bt=positions_bs, segment_ids_bt=segment_ids_bs)
     hidden_bsd, taps = jax.lax.stop_gradient((hidden_bsd, taps))
-    positions_bs = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     ctx_kv = drafter.context_kv(drafter.fuse(taps), positions_bs)
-    attention = block_attention(ctx_kv, anchors_ba, blk)
+    attention = block_attention(ctx_kv, layout["sees_ctx"], blk)
     block_emb = jax.lax.stop_gradient(target.embed(layout["block_tokens"].reshape(B, A * blk)))
     positions = layout["positions"].reshape(B, A * blk)
     if remat:
@@ -170,26 +197,34 @@ def draft_logits(drafter: DSparkDrafter, head_vd: Array, hidden: Array, prev: Ar
 
 
 def training_block_logits(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array,
-                          loss_mask_bs: Array, anchors_ba: Array, keep_ba: Array
+                          loss_mask_bs: Array, anchors_ba: Array, keep_ba: Array,
+                          segment_ids_bs: Array | None = None, positions_bs: Array | None = None
                           ) -> tuple[Array, Array, dict]:
     """The training forward's teacher-forced draft logits [B, A, block, V] and confidence logits
     [B, A, block] for given anchors (whole-vocabulary tensors: for tests and small diagnostics)."""
-    layout = block_layout(tokens_bs, loss_mask_bs, anchors_ba, keep_ba, drafter.cfg, 4.0)
-    h, _ = draft_hidden(target, drafter, tokens_bs, anchors_ba, layout)
+    layout = block_layout(tokens_bs, loss_mask_bs, anchors_ba, keep_ba, drafter.cfg, 4.0,
+                          segment_ids_bs, positions_bs)
+    h, _ = draft_hidden(target, drafter, tokens_bs, anchors_ba, layout,
+                        segment_ids_bs=segment_ids_bs, positions_bs=positions_bs)
     return (draft_logits(drafter, target.head_weight(), h, layout["prev"]),
             drafter.confidence_logits(h, layout["prev"]), layout)
 
 
 def drafter_loss(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, loss_mask_bs: Array,
-                 key: Array, cfg: DrafterTrainConfig, logit_bias_v: Array | None = None
+                 key: Array, cfg: DrafterTrainConfig, logit_bias_v: Array | None = None,
+                 segment_ids_bs: Array | None = None, positions_bs: Array | None = None
                  ) -> tuple[Array, dict]:
     """`logit_bias_v` (a compact vocabulary's log multiplicities) is added to the target's and
-    the drafter's logits alike: both laws are then the full-vocabulary ones."""
+    the drafter's logits alike: both laws are then the full-vocabulary ones. Packed rows
+    (pack_reply_arrays) give `segment_ids_bs` and `positions_bs`: every sequence of a row then
+    trains exactly as it would alone."""
     bias_v = 0.0 if logit_bias_v is None else logit_bias_v
-    anchors_ba, keep_ba = sample_anchors(key, loss_mask_bs, cfg.num_anchors)
-    layout = block_layout(tokens_bs, loss_mask_bs, anchors_ba, keep_ba, drafter.cfg, cfg.loss.gamma)
+    anchors_ba, keep_ba = sample_anchors(key, loss_mask_bs, cfg.num_anchors, segment_ids_bs)
+    layout = block_layout(tokens_bs, loss_mask_bs, anchors_ba, keep_ba, drafter.cfg, cfg.loss.gamma,
+                          segment_ids_bs, positions_bs)
     h_bakd, th_bakd = draft_hidden(target, drafter, tokens_bs, anchors_ba, layout,
-                                   target_attn_impl=cfg.target_attn_impl, remat=cfg.remat)
+                                   target_attn_impl=cfg.target_attn_impl, remat=cfg.remat,
+                                   segment_ids_bs=segment_ids_bs, positions_bs=positions_bs)
     head_vd = jax.lax.stop_gradient(target.head_weight())
     D = h_bakd.shape[-1]
 
@@ -242,31 +277,41 @@ def acceptance_metrics(c_star_bak: Array, hit_bak: Array, eval_mask_bak: Array, 
 
 # ---- the trainer ---------------------------------------------------------------------------------
 
-def _loss(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key, bias_v):
+def _loss(binders, cfg, params, target_params, batch, key, bias_v):
     target_binder, binder = binders
     target = target_binder.bind(target_params)
     drafter = binder.bind(cast_floats(params, cfg.compute_dtype))
-    return drafter_loss(target, drafter, tokens_bs, loss_mask_bs, key, cfg, bias_v)
+    return drafter_loss(target, drafter, batch["tokens"], batch["loss_mask"], key, cfg, bias_v,
+                        batch.get("segment_ids"), batch.get("positions"))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _train_step(binders, optim_cfg, cfg, params, opt_state, target_params, tokens_bs, loss_mask_bs, key,
-                bias_v):
+def _train_step(binders, optim_cfg, cfg, params, opt_state, target_params, batch, key, bias_v):
     grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binders, cfg, params, target_params,
-                                                             tokens_bs, loss_mask_bs, key, bias_v)
+                                                             batch, key, bias_v)
     updates, opt_state = make_optimizer(optim_cfg).update(grads, opt_state, params)
     metrics["grad_norm"] = global_norm(grads)
     return jax.tree.map(jnp.add, params, updates), opt_state, metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _eval_step(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key, bias_v):
-    return _loss(binders, cfg, params, target_params, tokens_bs, loss_mask_bs, key, bias_v)[1]
+def _eval_step(binders, cfg, params, target_params, batch, key, bias_v):
+    return _loss(binders, cfg, params, target_params, batch, key, bias_v)[1]
+
+
+# the arrays of a batch the step reads (packed rows add the last two)
+BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions")
+
+
+def _device_batch(arrays: dict, rows: slice | None = None) -> dict[str, Array]:
+    return {k: jnp.asarray(arrays[k] if rows is None else arrays[k][rows])
+            for k in BATCH_KEYS if k in arrays}
 
 
 class DrafterTrainer:
     """Trains `drafter` (its arrays, in fp32, become the masters) against the frozen `target`.
-    `train_step(batch)` with batch {"tokens": [B, S] int32, "loss_mask": [B, S] bool}. Steps
+    `train_step(batch)` with batch {"tokens": [B, S] int32, "loss_mask": [B, S] bool}, and for
+    packed rows "segment_ids" and "positions" [B, S] int32 (pack_reply_arrays). Steps
     are jitted once per (shapes, configs) and shared by trainers of the same shapes."""
 
     def __init__(self, target: Qwen3, drafter: DSparkDrafter, optim: OptimConfig,
@@ -288,7 +333,7 @@ class DrafterTrainer:
         key = jax.random.fold_in(s.rng, s.step)
         s.params, s.opt_state, metrics = _train_step(
             self.binders, self.optim_cfg, self.cfg, s.params, s.opt_state, self.target_params,
-            jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"]), key, self.logit_bias)
+            _device_batch(batch), key, self.logit_bias)
         s.step += 1
         s.data_position += 1
         return metrics
@@ -303,8 +348,8 @@ class DrafterTrainer:
         for b, i in enumerate(range(0, n, batch_size)):
             key = jax.random.fold_in(jax.random.PRNGKey(seed), b)
             out.append(jax.device_get(_eval_step(
-                self.binders, self.cfg, self.state.params, self.target_params, jnp.asarray(arrays["tokens"][i:i + batch_size]),
-                jnp.asarray(arrays["loss_mask"][i:i + batch_size]), key, self.logit_bias)))
+                self.binders, self.cfg, self.state.params, self.target_params,
+                _device_batch(arrays, slice(i, i + batch_size)), key, self.logit_bias)))
         return {k: float(np.mean([o[k] for o in out])) for k in out[0]}
 
     def drafter(self, dtype: str | None = None) -> DSparkDrafter:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jspec.qwen3 import Qwen3, causal_attention
+from jspec.qwen3 import Qwen3, causal_attention, dense_attention
 from jspec.train import (ModuleBinder, OptimConfig, TrainState, cast_floats, commit, global_norm,
                          make_optimizer, run_layers, sum_over_row_chunks)
 
@@ -31,22 +31,38 @@ class TargetTrainConfig:
     loss_chunk: int = 4096          # rows (tokens) per CE chunk
 
 
-def training_attention(impl: str):
-    if impl == "dense":
-        return causal_attention()
-    if impl == "cudnn":
+def training_attention(impl: str, segment_ids_bt: Array | None = None):
+    """Causal attention over whole rows, or with `segment_ids_bt` within each packed sequence
+    only (a query sees the earlier keys of its own segment)."""
+    if impl not in ("dense", "cudnn"):
+        raise ValueError(f"attn_impl {impl!r}: expected 'dense' or 'cudnn'")
+    if segment_ids_bt is None:
+        if impl == "dense":
+            return causal_attention()
+
         def attend(layer_idx, q, k, v, cache):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"), cache
         return attend
-    raise ValueError(f"attn_impl {impl!r}: expected 'dense' or 'cudnn'")
+    T = segment_ids_bt.shape[1]
+    same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+
+    def attend(layer_idx, q, k, v, cache):
+        if impl == "cudnn":  # the mask becomes cuDNN's additive bias
+            return jax.nn.dot_product_attention(q, k, v, mask=same_bts[:, None], is_causal=True,
+                                                implementation="cudnn"), cache
+        return dense_attention(q, k, v, same_bts & jnp.tril(jnp.ones((T, T), bool))[None]), cache
+    return attend
 
 
 def target_forward(model: Qwen3, tokens_bt: Array, *, attn_impl: str = "dense", remat: bool = False,
-                   tap_layers: Sequence[int] = ()) -> tuple[Array, list[Array]]:
+                   tap_layers: Sequence[int] = (), positions_bt: Array | None = None,
+                   segment_ids_bt: Array | None = None) -> tuple[Array, list[Array]]:
     """(final-normed hidden [B,T,D], taps) of a causal forward: model(...) itself when not
-    rematerialising, else the same layer loop with per-layer checkpoints."""
-    positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-    attention = training_attention(attn_impl)
+    rematerialising, else the same layer loop with per-layer checkpoints. Packed rows give
+    their sequences' own positions and segment ids (jspec.train.data.pack_reply_arrays)."""
+    if positions_bt is None:
+        positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+    attention = training_attention(attn_impl, segment_ids_bt)
     if not remat and not tap_layers:
         hidden, _, _ = model(tokens_bt, positions_bt, attention=attention)
         return hidden, []
