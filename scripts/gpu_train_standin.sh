@@ -24,6 +24,12 @@
 # measured on 2026-12-01 (docs/benchmarks.md): S 7.3 steps/s (3018 steps in the 412 s its deadline
 # left), the drafters 8.5 (DSpark) and 9.3 (DFlash) steps/s. On one GPU, S makes about half as
 # many steps in the same time: set TARGET_STEPS=1500 there.
+# One GPU, a call per drafter (equal budgets, a warm machine not needed): SAVE_STATE=1
+# REPLIES_ONLY=1 on the drafters call after the target call brings the prompts and replies back;
+# then, with them carried as out/state/, `ONLY=dspark TIME_BOXED=1 DRAFT_MINUTES=M` and
+# `ONLY=dflash ...` (CONTINUE=1 to start from the shipped drafters). TIME_BOXED=1: the learning
+# rate's warm-up + cosine runs over the time box, not a step count (train_standin
+# --draft-time-boxed). Replies are packed several to a training row (--pack-replies).
 # DRAFT_BATCH (sequences of 2048 tokens per drafter step, 8) and PROMPTS (corpus prompts S replies
 # to, 4096). By count, a drafter step is about 1.6 TFLOP (mostly the 28,672 block rows' two
 # vocabulary projections, drafter and target), so at 8.5 steps/s the H200 did about 14 TFLOP/s:
@@ -53,6 +59,17 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --log-every 20 --quiet)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 left() { echo $((START + LIMIT - $(date +%s))); }
+# SAVE_STATE=1: the prompts and replies come back as three archives (each under the 16 MB a file
+# may be); carried as out/state/, they let a later call on a fresh machine skip the corpus and
+# the replies (the drafters call restores them with the shipped S).
+save_state() {
+  [ "${SAVE_STATE:-0}" = 1 ] || return 0
+  tar czf "$OUT/state_prompts.tgz" -C "$W" manifest.json data/prompts.jsonl data/prompts_eval.jsonl
+  tar czf "$OUT/state_replies.tgz" -C "$W" data/replies.jsonl
+  tar czf "$OUT/state_replies_t1.tgz" -C "$W" data/replies_t1.jsonl data/replies_eval.jsonl \
+    data/replies_eval_t1.jsonl
+  ls -la "$OUT"/state_*.tgz
+}
 case "${1:-}" in
   target)
     if [ "${CONTINUE:-0}" = 1 ] && [ ! -f "$W/target/config.json" ]; then
@@ -61,15 +78,28 @@ case "${1:-}" in
     # S stops training in time for its export, the prompts and the transfer (about 70 s).
     timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" --only-target \
       --target-until $((START + LIMIT - ${TAIL_S:-75})) 2>&1 | tee "$OUT/train_target.log"
-    [ -f "$W/target/config.json" ] && python3 scripts/standin_transfer.py save --dir target="$W/target" \
-      --out "$OUT/xfer_target"
+    # (with CONTINUE=1, S is the shipped one: nothing to bring back)
+    [ -f "$W/target/config.json" ] && [ "${CONTINUE:-0}" != 1 ] && \
+      python3 scripts/standin_transfer.py save --dir target="$W/target" --out "$OUT/xfer_target"
     gzip -c "$W/manifest.json" > "$OUT/manifest.json.gz" 2>/dev/null
     tar czf "$OUT/target_logs.tgz" -C "$W" logs target_heldout.json 2>/dev/null
     ;;
   drafters)
+    if [ ! -f "$W/target/config.json" ] && ls out/state/state_*.tgz >/dev/null 2>&1; then
+      # a fresh machine: the prompts and replies an earlier call saved (SAVE_STATE=1), the shipped S
+      mkdir -p "$W" && for f in out/state/state_*.tgz; do tar xzf "$f" -C "$W"; done
+      cp -r "$(python3 -m jspec.standin path standin --compact)" "$W/target"
+      echo "restored $W from out/state: $(ls "$W/data" | tr '\n' ' ')"
+    fi
     [ -f "$W/target/config.json" ] || { echo "no $W/target: run the target phase first (same machine)"; exit 2; }
     EVAL=(--eval-prompts-dir out/prompts --eval-limit ${EVAL_LIMIT:-100} --eval-max-tokens 256)
+    [ "${TIME_BOXED:-0}" = 1 ] && EVAL+=(--draft-time-boxed)
     NAMES=(dspark dflash)
+    if [ -n "${ONLY:-}" ]; then
+      [ "$GPUS" -eq 1 ] || { echo "ONLY= trains one drafter on a one-GPU machine"; exit 2; }
+      NAMES=("$ONLY")
+      EVAL+=(--only-drafter "$ONLY")
+    fi
     if [ "${ABLATION:-0}" = 1 ]; then
       [ "$GPUS" -eq 2 ] && { echo "ABLATION=1 runs on one GPU or on three or more, not two"; exit 2; }
       NAMES+=(dspark_ce)
@@ -87,6 +117,7 @@ case "${1:-}" in
         --reply-sets train_t1,eval,eval_t1 > "$OUT/replies_1.log" 2>&1
       wait
       tail -n 3 "$OUT"/replies_*.log
+      save_state
       # the drafters' time box: what is left after loading, export, the engine eval and the transfer
       EVAL+=(--draft-minutes $(python3 -c "print(max(1.0, ($(left) - ${DRAFT_TAIL_S:-190}) / 60))"))
       CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" "${EVAL[@]}" \
@@ -100,9 +131,15 @@ case "${1:-}" in
       wait
       tail -n 8 "$OUT"/train_d*.log
     else
-      # one GPU: replies (~2.5 min), then each drafter in turn with its export and engine eval
+      # one GPU: the replies that are missing (~2.5 min for all four sets), then each drafter in
+      # turn with its export and engine eval, in what is left (or DRAFT_MINUTES each)
+      timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" --stop-after-replies 2>&1 \
+        | tee "$OUT/replies.log"
+      save_state
+      [ "${REPLIES_ONLY:-0}" = 1 ] && exit 0
       n=${#NAMES[@]}
-      EVAL+=(--draft-minutes $(python3 -c "print(max(1.0, ($(left) - 160 - $n * 100) / ($n * 60)))"))
+      [ -n "${DRAFT_MINUTES:-}" ] || \
+        EVAL+=(--draft-minutes $(python3 -c "print(max(1.0, ($(left) - 40 - $n * 110) / ($n * 60)))"))
       timeout $(left) python3 scripts/train_standin.py "${COMMON[@]}" "${EVAL[@]}" 2>&1 \
         | tee "$OUT/train_drafters.log"
     fi

@@ -131,6 +131,10 @@ def parse_args(argv=None):
     g.add_argument("--draft-batch", type=int, default=8)
     g.add_argument("--draft-steps", type=int, default=3000)
     g.add_argument("--draft-lr", type=float, default=6e-4)
+    g.add_argument("--draft-time-boxed", action="store_true",
+                   help="warm-up + cosine over --draft-minutes (from the first compiled step) instead "
+                        "of over --draft-steps, which becomes a cap: the schedule ends when the time "
+                        "box does, whatever the machine's step rate")
     g.add_argument("--skip-dflash", action="store_true")
     g.add_argument("--init-drafter", action="append", default=[], metavar="NAME=DIR",
                    help="start drafter NAME (dspark / dflash) from the weights in DIR (a drafter of "
@@ -467,10 +471,12 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     if (export / "config.json").is_file():
         log(f"{name}: {export} exists, skipping")
         return None
+    if args.draft_time_boxed and not args.draft_minutes:
+        raise SystemExit("--draft-time-boxed needs --draft-minutes (the time box)")
     init = dict(d.split("=", 1) for d in args.init_drafter).get(name)
     drafter = init_random_drafter(dcfg, seed=args.seed + 1) if init is None else initial_drafter(init, dcfg, model)
     trainer = DrafterTrainer(
-        model, drafter, OptimConfig(args.draft_steps, lr=args.draft_lr),
+        model, drafter, OptimConfig(args.draft_steps, lr=args.draft_lr, time_boxed=args.draft_time_boxed),
         DrafterTrainConfig(num_anchors=args.anchors, loss=loss_cfg, compute_dtype=args.compute_dtype,
                            target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())

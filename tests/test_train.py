@@ -15,7 +15,7 @@ from flax import nnx
 from jspec.config import Qwen3Config
 from jspec.dspark import dense_draft, init_random_drafter
 from jspec.qwen3 import forward_logits, init_random
-from jspec.train import OptimConfig, TrainState
+from jspec.train import OptimConfig, TrainState, time_boxed_factor
 from jspec.train.checkpointing import (CheckpointManager, LossLog, export_drafter, export_target,
                                        fit, resume)
 from jspec.train.data import (BatchOrder, batch_source, corpus_manifest, gather_corpus, make_prompts,
@@ -356,6 +356,35 @@ def test_dflash_ablation_trains_with_ce_only(reply_data):
     assert records[-1]["tau_greedy"] > records[0]["tau_greedy"] + 1.0
 
 
+def test_time_boxed_schedule_ends_at_the_deadline(reply_data):
+    """A time-boxed run: warm-up then cosine over the time between its first (compiled) step and
+    the deadline, read from a clock; the steps cap is not reached, the last update is ~0."""
+    model, train, _ = reply_data
+    cfg = OptimConfig(10_000, lr=3e-3, warmup_frac=0.1, time_boxed=True)
+    assert time_boxed_factor(cfg, 0.0) == 0 and time_boxed_factor(cfg, 0.05) == pytest.approx(0.5)
+    assert time_boxed_factor(cfg, 0.1) == pytest.approx(1.0) and time_boxed_factor(cfg, 1.0) == pytest.approx(0)
+    assert time_boxed_factor(cfg, 0.55) == pytest.approx(0.5)
+    trainer = DrafterTrainer(model, init_random_drafter(DCFG, seed=5), cfg, D_TCFG)
+    ticks = iter(range(10_000))
+    clock = lambda: float(next(ticks))  # one second per reading
+    with pytest.raises(ValueError, match="needs a deadline"):
+        fit(trainer, batch_source(train, 8, seed=0), 10_000, progress=False)
+    before = jax.tree.map(np.asarray, trainer.state.params)
+    records = fit(trainer, batch_source(train, 8, seed=0), 10_000, progress=False, deadline=41.0,
+                  clock=clock)
+    lrs = [r["lr"] for r in records]
+    assert 10 < len(records) < 41 and trainer.state.step == len(records)
+    assert lrs[0] == 0 and max(lrs) == pytest.approx(3e-3, rel=0.05) and lrs[-1] < 0.05 * 3e-3
+    peak = int(np.argmax(lrs))
+    assert all(np.diff(lrs[:peak + 1]) >= 0) and all(np.diff(lrs[peak:]) <= 0)
+    assert not same_tree(before, trainer.state.params)
+    # a step at factor 0 changes nothing: the first step is the compile's, not an update
+    t2 = DrafterTrainer(model, init_random_drafter(DCFG, seed=5), cfg, D_TCFG)
+    start = jax.tree.map(np.asarray, t2.state.params)
+    t2.train_step(batch_source(train, 8, seed=0)(0), lr_factor=0.0)
+    assert same_tree(start, t2.state.params)
+
+
 # ---- resume ---------------------------------------------------------------------------------------
 
 def _run(make_trainer, batch_at, directory, stop_after=None, resume_from=False):
@@ -433,3 +462,17 @@ def test_export_round_trips(trained_target, random_pair, tmp_path):
         export_drafter(d, loaded, tmp_path / "drafter", dtype="float32")  # with the shared copies
         dcfg_loaded, d_loaded = load_drafter(tmp_path / "drafter", cfg, loaded)
         assert dcfg_loaded == dcfg and same_tree(nnx.state(d_loaded), nnx.state(d))
+
+
+@pytest.mark.gpu
+def test_cudnn_segment_attention_matches_dense():
+    """Packed rows' target attention through cuDNN (the segment mask as its bias) against the
+    dense masked softmax: what training uses on the GPU."""
+    from jspec.train.target import training_attention
+    q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 512, 2, 128), jnp.bfloat16)
+    seg = jnp.asarray([[1] * 200 + [2] * 300 + [0] * 12, [1] * 100 + [2] * 412], jnp.int32)
+    run = lambda impl, s: np.asarray(jax.jit(lambda q, k, v: training_attention(impl, s)(
+        0, q, k, v, None)[0])(q, k, v), np.float32)
+    dense, cudnn = run("dense", seg), run("cudnn", seg)
+    assert np.abs(cudnn - dense).max() < 3e-2
+    assert np.abs(run("dense", None) - dense).max() > 0.1  # the mask matters here

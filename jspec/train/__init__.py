@@ -44,13 +44,29 @@ class OptimConfig:
     b2: float = 0.999
     eps: float = 1e-8
     clip_norm: float = 1.0
+    # Time-boxed: the same warm-up + cosine, over the fraction of a deadline's time gone instead
+    # of steps (fit passes the factor to every step), so the schedule ends at the time box
+    # whatever the step rate turns out to be on the machine; total_steps is then only a cap.
+    time_boxed: bool = False
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    if cfg.time_boxed:  # the optimizer runs at the peak; time_boxed_factor scales its updates
+        return optax.constant_schedule(cfg.lr)
     warmup = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
         decay_steps=max(cfg.total_steps, warmup + 1), end_value=cfg.lr * cfg.end_lr_frac)
+
+
+def time_boxed_factor(cfg: OptimConfig, fraction: float) -> float:
+    """The learning-rate factor (0..1) of a time-boxed run after `fraction` of its time: linear
+    warm-up over warmup_frac, then cosine down to end_lr_frac at 1."""
+    f = min(max(fraction, 0.0), 1.0)
+    if f < cfg.warmup_frac:
+        return f / cfg.warmup_frac
+    t = (f - cfg.warmup_frac) / max(1.0 - cfg.warmup_frac, 1e-9)
+    return cfg.end_lr_frac + (1.0 - cfg.end_lr_frac) * 0.5 * (1.0 + np.cos(np.pi * t))
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:

@@ -27,7 +27,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jspec.atomic import atomic_dir
-from jspec.train import TrainState, make_schedule
+from jspec.train import TrainState, make_schedule, time_boxed_factor
 
 STATE_FILE, META_FILE, PREFIX = "state.safetensors", "meta.json", "step_"
 
@@ -154,22 +154,30 @@ def fit(trainer, batch_at: Callable[[int], dict], num_steps: int, *,
         manager: CheckpointManager | None = None, ckpt_every: int = 0, log: LossLog | None = None,
         eval_fn: Callable[[], dict] | None = None, eval_every: int = 0, log_every: int = 1,
         progress: bool = True, desc: str = "train", stop_after: int | None = None,
-        ckpt_extra: dict | None = None, deadline: float | None = None) -> list[dict]:
+        ckpt_extra: dict | None = None, deadline: float | None = None,
+        clock: Callable[[], float] = time.time) -> list[dict]:
     """Run trainer.train_step until trainer.state.step == num_steps (from wherever the state is:
     fresh or resumed). Metrics are fetched every `log_every` steps (fewer host syncs); a
     checkpoint (with `ckpt_extra` in its meta) every `ckpt_every` steps and at the end.
     `stop_after` simulates an interruption; at `deadline` (a time.time() value) training stops
-    early with a checkpoint (a time-boxed run on a lent GPU). Returns the records written."""
+    early with a checkpoint (a time-boxed run on a lent GPU). With a time-boxed OptimConfig the
+    learning rate follows the time gone between now and `deadline` (time_boxed_factor), so the
+    schedule ends there (`clock`: the time.time it reads). Returns the records written."""
     from tqdm.auto import tqdm
 
     state = trainer.state
     schedule = make_schedule(trainer.optim_cfg)
+    time_boxed = trainer.optim_cfg.time_boxed
+    if time_boxed and deadline is None:
+        raise ValueError("a time-boxed learning-rate schedule needs a deadline")
+    start = None  # a time-boxed schedule's clock starts once the first step (compiled) is done
+    factors: dict[int, float] = {}
     records, pending = [], []
     bar = tqdm(total=num_steps, initial=state.step, desc=desc, unit="step", disable=not progress)
 
     def flush():
         for step, metrics in pending:
-            rec = {"step": step, "lr": float(schedule(step - 1)),
+            rec = {"step": step, "lr": float(schedule(step - 1)) * factors.pop(step, 1.0),
                    **{k: float(v) for k, v in jax.device_get(metrics).items()}}
             records.append(rec)
             if log:
@@ -181,14 +189,24 @@ def fit(trainer, batch_at: Callable[[int], dict], num_steps: int, *,
     while trainer.state.step < num_steps:
         if stop_after is not None and trainer.state.step >= stop_after:
             break
-        if deadline is not None and time.time() >= deadline:
+        if deadline is not None and clock() >= deadline:
             flush()
             if manager:
                 manager.save(trainer.state, ckpt_extra)
             bar.write(f"{desc}: time budget reached at step {trainer.state.step} of {num_steps}")
             break
-        state = trainer.state
-        pending.append((state.step + 1, trainer.train_step(batch_at(state.data_position))))
+        number = trainer.state.step + 1
+        batch = batch_at(trainer.state.data_position)
+        if time_boxed:
+            gone = 0.0 if start is None else (clock() - start) / max(deadline - start, 1e-9)
+            factors[number] = time_boxed_factor(trainer.optim_cfg, gone)
+            metrics = trainer.train_step(batch, lr_factor=factors[number])
+            if start is None:
+                jax.block_until_ready(metrics)
+                start = clock()
+        else:
+            metrics = trainer.train_step(batch)
+        pending.append((number, metrics))
         step = trainer.state.step
         bar.update(1)
         if step % log_every == 0:

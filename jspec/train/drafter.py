@@ -14,6 +14,9 @@ Per training sequence (prompt ++ the target's own reply, loss_mask on the reply)
   loss      ce * CE + l1 * L1 + conf * BCE, each sum(w * term) / sum(w) over the batch, where
             L1 = sum_v |p_d - p_t| (T = 1) and BCE-with-logits of z_k against the detached
             c*_k = clamp(1 - L1_k / 2, 0, 1).
+Packed rows (several prompt + reply sequences each, jspec.train.data.pack_reply_arrays) carry
+segment ids and each sequence's own positions: the target attends within a sequence, and an
+anchor's context keys and labels stay in its own, so each trains exactly as it would alone.
 The DFlash ablation is the same code: markov_rank 0, no confidence head, CE only.
 The drafter's embedding and lm_head are the target's (frozen, never copied).
 """
@@ -251,6 +254,7 @@ def drafter_loss(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, loss_m
     conf_alpha = cfg.loss.conf if drafter.cfg.confidence_head else 0.0
     loss = cfg.loss.ce * ce + cfg.loss.l1 * l1 + conf_alpha * conf
     metrics = {"loss": loss, "ce": ce, "l1": l1, "conf": conf,
+               "anchor_fill": jnp.mean(keep_ba.astype(jnp.float32)),  # real blocks / anchor slots
                **acceptance_metrics(per_row["c_star"].reshape(layout["eval_mask"].shape),
                                     per_row["hit"].reshape(layout["eval_mask"].shape),
                                     layout["eval_mask"], keep_ba)}
@@ -286,10 +290,12 @@ def _loss(binders, cfg, params, target_params, batch, key, bias_v):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _train_step(binders, optim_cfg, cfg, params, opt_state, target_params, batch, key, bias_v):
+def _train_step(binders, optim_cfg, cfg, params, opt_state, target_params, batch, key, bias_v,
+                lr_factor):
     grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(binders, cfg, params, target_params,
                                                              batch, key, bias_v)
     updates, opt_state = make_optimizer(optim_cfg).update(grads, opt_state, params)
+    updates = jax.tree.map(lambda u: u * lr_factor, updates)  # 1 unless time-boxed
     metrics["grad_norm"] = global_norm(grads)
     return jax.tree.map(jnp.add, params, updates), opt_state, metrics
 
@@ -328,12 +334,13 @@ class DrafterTrainer:
         self.state = TrainState(params=params, opt_state=commit(make_optimizer(optim).init(params)), step=0,
                                 data_position=0, rng=commit(jax.random.PRNGKey(seed)))
 
-    def train_step(self, batch: dict) -> dict:
+    def train_step(self, batch: dict, lr_factor: float = 1.0) -> dict:
+        """One step; `lr_factor` scales the update (a time-boxed schedule, OptimConfig)."""
         s = self.state
         key = jax.random.fold_in(s.rng, s.step)
         s.params, s.opt_state, metrics = _train_step(
             self.binders, self.optim_cfg, self.cfg, s.params, s.opt_state, self.target_params,
-            _device_batch(batch), key, self.logit_bias)
+            _device_batch(batch), key, self.logit_bias, np.float32(lr_factor))
         s.step += 1
         s.data_position += 1
         return metrics
