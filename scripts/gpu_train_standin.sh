@@ -59,16 +59,15 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --log-every 20 --quiet)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 left() { echo $((START + LIMIT - $(date +%s))); }
-# SAVE_STATE=1: the prompts and replies come back as three archives (each under the 16 MB a file
-# may be); carried as out/state/, they let a later call on a fresh machine skip the corpus and
-# the replies (the drafters call restores them with the shipped S).
+# SAVE_STATE=1: the prompts and replies come back as one archive, state.tgz (6.5 MB on
+# 2026-12-02; mind that a call returns at most 8 files); carried as out/state/, it lets a later
+# call on a fresh machine skip the corpus and the replies (the drafters call restores it with
+# the shipped S).
 save_state() {
   [ "${SAVE_STATE:-0}" = 1 ] || return 0
-  tar czf "$OUT/state_prompts.tgz" -C "$W" manifest.json data/prompts.jsonl data/prompts_eval.jsonl
-  tar czf "$OUT/state_replies.tgz" -C "$W" data/replies.jsonl
-  tar czf "$OUT/state_replies_t1.tgz" -C "$W" data/replies_t1.jsonl data/replies_eval.jsonl \
-    data/replies_eval_t1.jsonl
-  ls -la "$OUT"/state_*.tgz
+  tar czf "$OUT/state.tgz" -C "$W" manifest.json data/prompts.jsonl data/prompts_eval.jsonl \
+    data/replies.jsonl data/replies_t1.jsonl data/replies_eval.jsonl data/replies_eval_t1.jsonl
+  ls -la "$OUT/state.tgz"
 }
 case "${1:-}" in
   target)
@@ -85,9 +84,9 @@ case "${1:-}" in
     tar czf "$OUT/target_logs.tgz" -C "$W" logs target_heldout.json 2>/dev/null
     ;;
   drafters)
-    if [ ! -f "$W/target/config.json" ] && ls out/state/state_*.tgz >/dev/null 2>&1; then
+    if [ ! -f "$W/target/config.json" ] && [ -f out/state/state.tgz ]; then
       # a fresh machine: the prompts and replies an earlier call saved (SAVE_STATE=1), the shipped S
-      mkdir -p "$W" && for f in out/state/state_*.tgz; do tar xzf "$f" -C "$W"; done
+      mkdir -p "$W" && tar xzf out/state/state.tgz -C "$W"
       cp -r "$(python3 -m jspec.standin path standin --compact)" "$W/target"
       echo "restored $W from out/state: $(ls "$W/data" | tr '\n' ' ')"
     fi
