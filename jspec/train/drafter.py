@@ -35,7 +35,7 @@ from flax import nnx
 
 from jspec.config import Qwen3Config
 from jspec.dspark import DSparkConfig, DSparkDrafter
-from jspec.qwen3 import Qwen3, causal_attention, dense_attention
+from jspec.qwen3 import Qwen3, causal_attention
 from jspec.train import (ModuleBinder, OptimConfig, TrainState, cast_floats, commit, global_norm,
                          make_optimizer, run_layers, sum_over_row_chunks)
 from jspec.train.target import target_forward
@@ -152,7 +152,8 @@ def block_attention(ctx_kv: list[tuple[Array, Array]], sees_ctx_bas: Array, bloc
         s_ctx = jnp.where(sees_ctx_bas[:, None, None, :, None, :], s_ctx * hd ** -0.5, -jnp.inf)
         s_blk = jnp.einsum("balkgh,bamkh->bkgalm", q_balkgh, k_balkh,
                            preferred_element_type=f32) * hd ** -0.5
-        top = jax.lax.stop_gradient(jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True)))
+        top = jax.lax.stop_gradient(jnp.maximum(s_ctx.max(-1, keepdims=True),
+                                                s_blk.max(-1, keepdims=True)))
         e_ctx, e_blk = jnp.exp(s_ctx - top), jnp.exp(s_blk - top)
         denom = e_ctx.sum(-1, keepdims=True) + e_blk.sum(-1, keepdims=True)
         p_ctx, p_blk = (e_ctx / denom).astype(v.dtype), (e_blk / denom).astype(v.dtype)
