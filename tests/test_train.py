@@ -369,6 +369,10 @@ def test_time_boxed_schedule_ends_at_the_deadline(reply_data):
     clock = lambda: float(next(ticks))  # one second per reading
     with pytest.raises(ValueError, match="needs a deadline"):
         fit(trainer, batch_source(train, 8, seed=0), 10_000, progress=False)
+    target_trainer = TargetTrainer(init_random(CFG, seed=0), cfg, TCFG)
+    with pytest.raises(ValueError, match="TargetTrainer.train_step takes no lr_factor"):
+        fit(target_trainer, batch_source({"tokens": train["tokens"]}, 8, seed=0), 10, progress=False,
+            deadline=1e12)
     before = jax.tree.map(np.asarray, trainer.state.params)
     records = fit(trainer, batch_source(train, 8, seed=0), 10_000, progress=False, deadline=41.0,
                   clock=clock)

@@ -14,6 +14,7 @@ key layout), a trained drafter in DeepSpec's layout; jspec.loading reads both ba
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import shutil
@@ -170,6 +171,9 @@ def fit(trainer, batch_at: Callable[[int], dict], num_steps: int, *,
     time_boxed = trainer.optim_cfg.time_boxed
     if time_boxed and deadline is None:
         raise ValueError("a time-boxed learning-rate schedule needs a deadline")
+    if time_boxed and "lr_factor" not in inspect.signature(trainer.train_step).parameters:
+        raise ValueError(f"{type(trainer).__name__}.train_step takes no lr_factor: a time-boxed "
+                         "schedule is for the drafter trainer")
     start = None  # a time-boxed schedule's clock starts once the first step (compiled) is done
     factors: dict[int, float] = {}
     records, pending = [], []
