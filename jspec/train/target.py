@@ -44,14 +44,27 @@ def training_attention(impl: str, segment_ids_bt: Array | None = None):
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"), cache
         return attend
     T = segment_ids_bt.shape[1]
-    same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]  # once per forward
+    causal_same_bts = same_bts & jnp.tril(jnp.ones((T, T), bool))[None]
 
     def attend(layer_idx, q, k, v, cache):
         if impl == "cudnn":  # the mask becomes cuDNN's additive bias
             return jax.nn.dot_product_attention(q, k, v, mask=same_bts[:, None], is_causal=True,
                                                 implementation="cudnn"), cache
-        return dense_attention(q, k, v, same_bts & jnp.tril(jnp.ones((T, T), bool))[None]), cache
+        return dense_attention(q, k, v, causal_same_bts), cache
     return attend
+
+
+def segment_attention_gap(impl: str = "cudnn", seq: int = 512) -> float:
+    """Largest difference between `impl`'s packed-row (segment) attention and the dense masked
+    softmax on random bf16 q/k/v over two rows of several segments: the check that cuDNN's bias
+    route computes the training mask (train_standin runs it before using it; a GPU test too)."""
+    q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 2, seq, 2, 128), jnp.bfloat16)
+    a, b = seq // 3, seq // 5
+    seg = jnp.asarray([[1] * a + [2] * (seq - a - 8) + [0] * 8, [1] * b + [2] * (seq - b)], jnp.int32)
+    run = lambda name: jax.jit(lambda q, k, v: training_attention(name, seg)(0, q, k, v, None)[0])(
+        q, k, v).astype(jnp.float32)
+    return float(jnp.abs(run(impl) - run("dense")).max())
 
 
 def target_forward(model: Qwen3, tokens_bt: Array, *, attn_impl: str = "dense", remat: bool = False,
