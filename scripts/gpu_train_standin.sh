@@ -59,15 +59,22 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --log-every 20 --quiet)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 left() { echo $((START + LIMIT - $(date +%s))); }
-# SAVE_STATE=1: the prompts and replies come back as one archive, state.tgz (6.5 MB on
-# 2026-12-02; mind that a call returns at most 8 files); carried as out/state/, it lets a later
-# call on a fresh machine skip the corpus and the replies (the drafters call restores it with
-# the shipped S).
+# SAVE_STATE=1: the prompts and replies come back as one archive cut into parts of 15 MB,
+# state.tgz.part00, part01, ... (6.5 MB for 4096 prompts on 2026-12-02; a call returns at most
+# 8 files of 16 MB each); carried as out/state/, they let a later call on a fresh machine skip
+# the corpus and the replies (the drafters call restores them with the shipped S).
 save_state() {
   [ "${SAVE_STATE:-0}" = 1 ] || return 0
-  tar czf "$OUT/state.tgz" -C "$W" manifest.json data/prompts.jsonl data/prompts_eval.jsonl \
-    data/replies.jsonl data/replies_t1.jsonl data/replies_eval.jsonl data/replies_eval_t1.jsonl
-  ls -la "$OUT/state.tgz"
+  tar czf - -C "$W" manifest.json data/prompts.jsonl data/prompts_eval.jsonl \
+    data/replies.jsonl data/replies_t1.jsonl data/replies_eval.jsonl data/replies_eval_t1.jsonl \
+    | split -b 15000000 -d - "$OUT/state.tgz.part"
+  ls -la "$OUT"/state.tgz.part*
+}
+# the saved state carried as out/state/: the parts (or one state.tgz, as saved before), in order
+carried_state() {
+  if ls out/state/state.tgz.part* >/dev/null 2>&1; then cat out/state/state.tgz.part*
+  elif [ -f out/state/state.tgz ]; then cat out/state/state.tgz
+  else return 1; fi
 }
 case "${1:-}" in
   target)
@@ -84,9 +91,9 @@ case "${1:-}" in
     tar czf "$OUT/target_logs.tgz" -C "$W" logs target_heldout.json 2>/dev/null
     ;;
   drafters)
-    if [ ! -f "$W/target/config.json" ] && [ -f out/state/state.tgz ]; then
+    if [ ! -f "$W/target/config.json" ] && carried_state >/dev/null 2>&1; then
       # a fresh machine: the prompts and replies an earlier call saved (SAVE_STATE=1), the shipped S
-      mkdir -p "$W" && tar xzf out/state/state.tgz -C "$W"
+      mkdir -p "$W" && { carried_state | tar xzf - -C "$W"; } || { echo "out/state: unreadable archive"; exit 2; }
       cp -r "$(python3 -m jspec.standin path standin --compact)" "$W/target"
       echo "restored $W from out/state: $(ls "$W/data" | tr '\n' ' ')"
     fi
