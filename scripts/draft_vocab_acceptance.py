@@ -16,6 +16,26 @@ import statistics
 import time
 
 
+def acceptance_run(llm, prompts, params, *, chat: bool) -> dict:
+    """Generate `prompts` once (timed) and pool tokens per verify step over the replies."""
+    t = time.perf_counter()
+    out = llm.generate(prompts, params, chat=chat)
+    wall = time.perf_counter() - t
+    spec = [r for r in out if r.tokens_per_step]
+    # A reply's first token comes from prefill; the rest from verify steps.
+    committed = sum(len(r.token_ids) - 1 for r in spec)
+    verify_steps = sum((len(r.token_ids) - 1) / r.tokens_per_step for r in spec)
+    # At T = 1 the sampled tokens' mean -log p estimates the target's entropy per token: how
+    # predictable the replies are to any drafter.
+    logprobs = [lp for r in out for lp in r.logprobs[1:]]
+    return {"tokens": sum(len(r.token_ids) for r in out), "wall_s": wall,
+            "target_nll_per_token": -sum(logprobs) / max(len(logprobs), 1),
+            "tokens_per_step": committed / verify_steps,
+            "tokens_per_step_mean_of_replies": statistics.mean(r.tokens_per_step for r in spec),
+            "acceptance_per_position": [statistics.mean(p) for p in zip(
+                *[r.acceptance_per_position for r in out if r.acceptance_per_position])]}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,18 +65,7 @@ def main(argv=None) -> dict:
         llm = LLM(args.model, draft=args.draft, draft_vocab=size or None,
                   max_lanes=args.max_lanes, max_context=2048)
         llm.generate(texts[:1], params[0], chat=True)  # compile
-        t = time.perf_counter()
-        out = llm.generate(texts, params, chat=True)
-        wall = time.perf_counter() - t
-        spec = [r for r in out if r.tokens_per_step]
-        # A reply's first token comes from prefill; the rest from verify steps.
-        committed = sum(len(r.token_ids) - 1 for r in spec)
-        verify_steps = sum((len(r.token_ids) - 1) / r.tokens_per_step for r in spec)
-        run = {"draft_vocab": size or None, "tokens": sum(len(r.token_ids) for r in out),
-               "wall_s": wall, "tokens_per_step": committed / verify_steps,
-               "tokens_per_step_mean_of_replies": statistics.mean(r.tokens_per_step for r in spec),
-               "acceptance_per_position": [statistics.mean(p) for p in zip(
-                   *[r.acceptance_per_position for r in out if r.acceptance_per_position])]}
+        run = {"draft_vocab": size or None, **acceptance_run(llm, texts, params, chat=True)}
         rec["runs"].append(run)
         print(json.dumps(run), flush=True)
         with open(args.out, "w") as f:

@@ -34,6 +34,12 @@
 # to, 4096). By count, a drafter step is about 1.6 TFLOP (mostly the 28,672 block rows' two
 # vocabulary projections, drafter and target), so at 8.5 steps/s the H200 did about 14 TFLOP/s:
 # a larger batch may cost little time per step. Not yet measured. DRAFT_LR (1.5e-3) goes with it.
+# Long contexts: the bench's busy prompts hold >= 3,000 tokens, and there the drafter accepted
+# much less (CPU, 2026-12-02: 2.43 tokens per verify step at 82-token prompts, 1.60 at 3,058,
+# while the target's replies grew more predictable). JOINED=SHARE joins that share of the packed
+# rows into one long sequence each (train_standin --joined-rows); with DRAFT_SEQ=4096 (and
+# DRAFT_BATCH=4, ANCHORS=1024 for the same tokens and anchors per step) the drafter trains at
+# contexts up to 4096. EVAL_LONG (3000; 0 = off) adds a T = 1 engine eval on 16 such prompts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -52,7 +58,8 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --eval-every 1000 --eval-rows 64
         --prompts ${PROMPTS:-4096} --eval-prompts 64 --prompt-min 64 --prompt-max 1024 --reply-tokens 512
         --reply-lanes 256 --reply-t1
-        --draft-seq-len 2048 --draft-layers 2 --block-size 7 --anchors 512 --markov-rank 32
+        --draft-seq-len ${DRAFT_SEQ:-2048} --draft-layers 2 --block-size 7 --anchors ${ANCHORS:-512}
+        --markov-rank 32 --joined-rows ${JOINED:-0}
         --draft-batch ${DRAFT_BATCH:-8} --draft-steps ${DRAFT_STEPS:-3000} --draft-lr ${DRAFT_LR:-1.5e-3}
         --draft-minutes ${DRAFT_MINUTES:-4.5}
         --compute-dtype bfloat16 --export-dtype float32 --attn cudnn --no-remat --ckpt-every 1000
@@ -98,7 +105,8 @@ case "${1:-}" in
       echo "restored $W from out/state: $(ls "$W/data" | tr '\n' ' ')"
     fi
     [ -f "$W/target/config.json" ] || { echo "no $W/target: run the target phase first (same machine)"; exit 2; }
-    EVAL=(--eval-prompts-dir out/prompts --eval-limit ${EVAL_LIMIT:-100} --eval-max-tokens 256)
+    EVAL=(--eval-prompts-dir out/prompts --eval-limit ${EVAL_LIMIT:-100} --eval-max-tokens 256
+          --eval-long-tokens ${EVAL_LONG:-3000})
     [ "${TIME_BOXED:-0}" = 1 ] && EVAL+=(--draft-time-boxed)
     NAMES=(dspark dflash)
     if [ -n "${ONLY:-}" ]; then

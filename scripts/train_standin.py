@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shutil
 import sys
@@ -123,6 +124,11 @@ def parse_args(argv=None):
                         "by segment ids (a reply of ~200 tokens would otherwise leave most of a "
                         "2048-token row, and most of its anchors, to padding); held-out rows stay one "
                         "sequence each")
+    g.add_argument("--joined-rows", type=float, default=0.0, metavar="SHARE",
+                   help="with --pack-replies: this share of the training rows joins its sequences "
+                        "into one long sequence (jspec.train.data.pack_reply_arrays joined_share), so "
+                        "the drafter also trains at contexts as long as --draft-seq-len, as the "
+                        "bench's busy prompts (>= 3,000 tokens) need")
     g.add_argument("--draft-layers", type=int, default=5)
     g.add_argument("--tap-layers", help="comma-separated target layers (default: 5 evenly in [1, L-3])")
     g.add_argument("--block-size", type=int, default=7)
@@ -152,6 +158,10 @@ def parse_args(argv=None):
                         "drafters through the engine at T = 1 and greedy (measurement only)")
     g.add_argument("--eval-max-tokens", type=int, default=256)
     g.add_argument("--eval-limit", type=int, default=0, help="first N prompts of each set (0 = all)")
+    g.add_argument("--eval-long-tokens", type=int, default=0, metavar="N",
+                   help="also evaluate at T = 1 on prompts of >= N tokens built as the bench's busy "
+                        "prompts are (consecutive first turns joined; 0 = off)")
+    g.add_argument("--eval-long-count", type=int, default=16, help="how many such prompts")
     g = ap.add_argument_group("run")
     g.add_argument("--target-minutes", type=float, default=0, help="time box for pre-training (0 = none)")
     g.add_argument("--draft-minutes", type=float, default=0, help="time box per drafter (0 = none)")
@@ -538,7 +548,11 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
     texts = [r.first_turn for s in ("humaneval", "mbpp")
              for r in load_prompts(Path(args.eval_prompts_dir) / f"{s}.jsonl", limit=args.eval_limit or None)]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-    ctx = -(-(max(map(len, prompts)) + args.eval_max_tokens + 16) // 64) * 64
+    long_prompts = []
+    if args.eval_long_tokens:  # busy-like: consecutive first turns joined into one prompt
+        from jspec.bench.workloads import concatenated_prompts
+        long_prompts = concatenated_prompts(tok, texts, args.eval_long_count, args.eval_long_tokens)
+    ctx = -(-(max(map(len, prompts + long_prompts)) + args.eval_max_tokens + 16) // 64) * 64
     kw = dict(dtype="float32", max_lanes=64, max_context=ctx, prefill_chunk=512)
     stock = LLM(full_target, **kw)
     greedy_ref = [r.token_ids for r in stock.generate(prompts, SamplingParams(temperature=0, max_tokens=args.eval_max_tokens))]
@@ -552,6 +566,15 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
             steps = sum(len(r.token_ids) / r.tokens_per_step for r in res if r.tokens_per_step)
             rec = {"tokens_per_step": tokens / steps, "tokens": tokens,
                    "mean_per_request": sum(r.tokens_per_step for r in res) / len(res)}
+            if label == "t1" and long_prompts:
+                res = llm.generate(long_prompts, [dataclasses.replace(sp, seed=i) for i in range(len(long_prompts))])
+                tokens_long = sum(len(r.token_ids) for r in res)
+                rec["long"] = {"prompts": len(long_prompts), "min_tokens": args.eval_long_tokens,
+                               "prompt_tokens_mean": sum(map(len, long_prompts)) / len(long_prompts),
+                               "tokens_per_step": tokens_long / sum(
+                                   len(r.token_ids) / r.tokens_per_step for r in res if r.tokens_per_step)}
+                log(f"eval {name} t1, prompts of >= {args.eval_long_tokens} tokens: tokens per verify "
+                    f"step {rec['long']['tokens_per_step']:.3f}")
             if label == "greedy":
                 rec["greedy_match"] = sum(r.token_ids == g for r, g in zip(res, greedy_ref)) / len(res)
             result[f"{name}_{label}"] = rec
@@ -690,13 +713,17 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
     if args.attn == "cudnn" and not cudnn_attention_works(segments=args.pack_replies):
         args.attn = "dense"
     rows_of = vocab.docs_to_rows if vocab else (lambda docs: docs)
-    to_rows = pack_reply_arrays if args.pack_replies else reply_arrays
+    if args.joined_rows and not args.pack_replies:
+        raise SystemExit("--joined-rows needs --pack-replies")
+    to_rows = (functools.partial(pack_reply_arrays, joined_share=args.joined_rows, seed=args.seed)
+               if args.pack_replies else reply_arrays)
     train = to_rows(rows_of(train_pr[0]), rows_of(train_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
     held = reply_arrays(rows_of(eval_pr[0]), rows_of(eval_pr[1]), args.draft_seq_len, pad_id=args.sep_id)
     held_t1 = None if eval_t1_pr is None else reply_arrays(rows_of(eval_t1_pr[0]), rows_of(eval_t1_pr[1]),
                                                            args.draft_seq_len, pad_id=args.sep_id)
     log(f"drafter data: {len(train_pr[0])} training sequences"
         + (f" packed into {len(train['tokens'])} rows" if args.pack_replies else "")
+        + (f" ({args.joined_rows:.0%} joined into one sequence each)" if args.joined_rows else "")
         + f", {int(train['loss_mask'].sum()):,} reply tokens")
 
     taps = tuple(int(i) for i in args.tap_layers.split(",")) if args.tap_layers else None

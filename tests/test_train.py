@@ -227,6 +227,66 @@ def test_pack_reply_arrays_keeps_every_sequence_whole():
     assert sorted(found) == sorted(want)  # each sequence exactly once, unchanged
 
 
+def test_pack_reply_arrays_joined_rows_read_as_one_long_sequence():
+    """joined_share: the drawn rows hold the same tokens and loss tokens as the plain packing, as
+    one segment with positions 0 .. used - 1; the other rows are untouched."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, 60, int(n)).tolist() for n in rng.integers(0, 12, 120)]
+    replies = [rng.integers(2, 60, int(n)).tolist() for n in rng.integers(1, 20, 120)]
+    plain = pack_reply_arrays(prompts, replies, SEQ, pad_id=0)
+    assert all(np.array_equal(plain[k], pack_reply_arrays(prompts, replies, SEQ, pad_id=0,
+                                                          joined_share=0.0)[k]) for k in plain)
+    half = pack_reply_arrays(prompts, replies, SEQ, pad_id=0, joined_share=0.5, seed=3)
+    every = pack_reply_arrays(prompts, replies, SEQ, pad_id=0, joined_share=1.0)
+    for k in ("tokens", "loss_mask"):  # the same members in the same rows and order
+        np.testing.assert_array_equal(half[k], plain[k])
+        np.testing.assert_array_equal(every[k], plain[k])
+    used = (plain["segment_ids"] > 0).sum(1)
+    joined_rows = []
+    for r, n in enumerate(used):
+        assert every["segment_ids"][r].tolist() == [1] * n + [0] * (SEQ - n)
+        assert every["positions"][r, :n].tolist() == list(range(n))
+        joined = bool((half["segment_ids"][r, :n] == 1).all()) and plain["segment_ids"][r].max() > 1
+        if joined:
+            np.testing.assert_array_equal(half["positions"][r], every["positions"][r])
+        elif plain["segment_ids"][r].max() > 1:
+            for k in ("segment_ids", "positions"):
+                np.testing.assert_array_equal(half[k][r], plain[k][r])
+        joined_rows.append(joined)
+    multi = int((plain["segment_ids"].max(1) > 1).sum())
+    assert multi >= 20 and 0.2 * multi < sum(joined_rows) < 0.8 * multi
+    other = pack_reply_arrays(prompts, replies, SEQ, pad_id=0, joined_share=0.5, seed=4)
+    assert not np.array_equal(other["segment_ids"], half["segment_ids"])  # the seed draws the rows
+    with pytest.raises(ValueError, match="joined_share"):
+        pack_reply_arrays(prompts, replies, SEQ, pad_id=0, joined_share=1.5)
+
+
+def test_joined_row_trains_as_its_concatenation(random_pair):
+    """A joined row's blocks are those of its tokens read as one plain sequence; the same row
+    packed with its segments kept apart gives other logits (negative control)."""
+    target, drafter, block_logits, _ = random_pair
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(2, 60, 4).tolist(), rng.integers(2, 60, 3).tolist()]
+    replies = [rng.integers(2, 60, n).tolist() for n in (7, 9)]  # lengths 11 and 12
+    joined = pack_reply_arrays(prompts, replies, SEQ, pad_id=0, joined_share=1.0)
+    apart = pack_reply_arrays(prompts, replies, SEQ, pad_id=0)
+    assert len(joined["tokens"]) == 1 and joined["segment_ids"][0].max() == 1
+    anchors = np.array([[4, 8, 12, 16, 17, 19, 20, 21]], np.int32)  # the second reply's blocks last
+    base = tuple(map(jnp.asarray, (joined["tokens"], joined["loss_mask"], anchors, np.ones((1, 8), bool))))
+    logits_j, _, lay_j = block_logits(*base, jnp.asarray(joined["segment_ids"]),
+                                      jnp.asarray(joined["positions"]))
+    logits_1, _, lay_1 = block_logits(*base)
+    live = np.asarray(lay_1["eval_mask"])
+    np.testing.assert_array_equal(np.asarray(lay_j["eval_mask"]), live)
+    assert live[0, 4:].sum() > 8  # the second reply's blocks are scored
+    scale = float(jnp.abs(logits_1).max())
+    np.testing.assert_allclose(np.asarray(logits_j)[live], np.asarray(logits_1)[live], atol=2e-5 * scale)
+    logits_a, _, _ = block_logits(*base, jnp.asarray(apart["segment_ids"]), jnp.asarray(apart["positions"]))
+    second = live.copy()
+    second[0, :4] = False
+    assert np.abs(np.asarray(logits_a)[second] - np.asarray(logits_1)[second]).max() > 1e-2 * scale
+
+
 def test_packed_rows_train_as_each_sequence_alone(random_pair):
     """Blocks of sequences packed into one row (segment ids, own positions) give the logits,
     labels and weights the same sequences give alone; a reply that starts right after another

@@ -186,3 +186,32 @@ def test_the_ce_ablation_trains_dspark_on_cross_entropy_alone(trained):
     last = [r for r in (json.loads(l) for l in (out / "logs" / "dspark.jsonl").read_text().splitlines())
             if "loss" in r][-1]
     assert last["loss"] == pytest.approx(0.1 * last["ce"] + 0.9 * last["l1"] + last["conf"], rel=1e-5)
+
+
+def test_joined_rows_and_the_long_prompt_eval_run_end_to_end(trained, tmp_path):
+    """--joined-rows trains on rows joined into one sequence; --eval-long-tokens adds a T = 1
+    engine eval on busy-like prompts (first turns joined to >= N tokens) to the summary."""
+    import shutil
+    out, _, common = trained
+    prompts_dir = ROOT.parent / "shared" / "data" / "prompts"
+    if not (prompts_dir / "humaneval.jsonl").is_file():
+        pytest.skip(f"no prompt sets at {prompts_dir}")
+    run = tmp_path / "joined"
+    run.mkdir()
+    for name in ("target", "data", "full"):
+        if (out / name).exists():
+            shutil.copytree(out / name, run / name, ignore=shutil.ignore_patterns("dspark*"))
+    shutil.copy(out / "manifest.json", run / "manifest.json")
+    argv = [a if a != str(out) else str(run) for a in common]
+    ts = _script("train_standin")
+    with pytest.raises(SystemExit, match="--joined-rows needs --pack-replies"):
+        ts.main(argv + ["--only-drafter", "dspark", "--joined-rows", "0.5", "--no-pack-replies"])
+    ts.main(argv + ["--only-drafter", "dspark", "--joined-rows", "1.0", "--draft-steps", "2",
+                    "--eval-prompts-dir", str(prompts_dir), "--eval-limit", "3", "--eval-max-tokens", "4",
+                    "--eval-long-tokens", "300", "--eval-long-count", "2"])
+    summary = json.loads((run / "summary_dspark.json").read_text())
+    assert summary["args"]["joined_rows"] == 1.0 and summary["dspark"]["metrics"]["steps"] == 2
+    long = summary["engine_eval"]["dspark_t1"]["long"]
+    assert long["prompts"] == 2 and long["prompt_tokens_mean"] >= 300
+    assert 1.0 <= long["tokens_per_step"] <= 8.0
+    assert "long" not in summary["engine_eval"]["dspark_greedy"]

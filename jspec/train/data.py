@@ -165,15 +165,25 @@ def reply_arrays(prompts: Sequence[list[int]], replies: Sequence[list[int]], seq
 
 
 def pack_reply_arrays(prompts: Sequence[list[int]], replies: Sequence[list[int]], seq_len: int,
-                      pad_id: int, min_loss_tokens: int = 2) -> dict[str, np.ndarray]:
+                      pad_id: int, min_loss_tokens: int = 2, joined_share: float = 0.0,
+                      seed: int = 0) -> dict[str, np.ndarray]:
     """reply_arrays' sequences packed several to a row, so a row holds more reply tokens (the
     anchors a drafter step trains on) than one short reply and its padding. Returns tokens,
     loss_mask, segment_ids [N, seq_len] int32 (1, 2, ... per sequence in its row, 0 on padding)
     and positions (each sequence's own positions 0, 1, ...: the ones inference gives it).
     Training keeps sequences apart by their segment ids, so each computes exactly what it would
     alone. Packing is best-fit decreasing over the lengths: deterministic, and the batch order
-    shuffles the rows."""
+    shuffles the rows.
+
+    joined_share: that share of the rows (drawn with `seed`) joins its sequences into ONE long
+    sequence (segment 1, positions 0 .. used - 1), the way a long multi-part prompt reads: the
+    drafter then also trains at contexts as long as the row, with the target's features computed
+    over the whole joined context. The replies stay the loss tokens; a joined reply was sampled
+    after its own prompt only, so its labels are the short context's, while the distillation
+    terms (computed on the fly) are the long context's own."""
     import bisect
+    if not 0.0 <= joined_share <= 1.0:
+        raise ValueError(f"joined_share must be in [0, 1], got {joined_share}")
     single = reply_arrays(prompts, replies, seq_len, pad_id, min_loss_tokens)
     # Each sequence ends with its reply: its length is one past its last reply token.
     lengths = seq_len - np.argmax(single["loss_mask"][:, ::-1], axis=1)
@@ -193,14 +203,15 @@ def pack_reply_arrays(prompts: Sequence[list[int]], replies: Sequence[list[int]]
            "loss_mask": np.zeros((len(rows), seq_len), bool),
            "segment_ids": np.zeros((len(rows), seq_len), np.int32),
            "positions": np.zeros((len(rows), seq_len), np.int32)}
+    joined = np.random.default_rng(seed).random(len(rows)) < joined_share
     for r, members in enumerate(rows):
         start = 0
         for seg, i in enumerate(sorted(members), 1):
             n = int(lengths[i])
             out["tokens"][r, start:start + n] = single["tokens"][i, :n]
             out["loss_mask"][r, start:start + n] = single["loss_mask"][i, :n]
-            out["segment_ids"][r, start:start + n] = seg
-            out["positions"][r, start:start + n] = np.arange(n)
+            out["segment_ids"][r, start:start + n] = 1 if joined[r] else seg
+            out["positions"][r, start:start + n] = np.arange(start, start + n) if joined[r] else np.arange(n)
             start += n
     return out
 
