@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from draft_vocab_acceptance import acceptance_run
+from draft_vocab_acceptance import acceptance_run, record_run
 
 
 def main(argv=None) -> dict:
@@ -53,12 +53,8 @@ def main(argv=None) -> dict:
         if max(lens) + args.max_tokens > args.max_context:
             raise SystemExit(f"--min-tokens {n}: a prompt of {max(lens)} tokens + {args.max_tokens} "
                              f"new ones exceeds --max-context {args.max_context}")
-        run = {"min_tokens": n, "prompt_tokens_mean": sum(lens) / len(lens),
-               **acceptance_run(llm, prompts, params, chat=False)}
-        rec["runs"].append(run)
-        print(json.dumps(run), flush=True)
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=2)
+        record_run(rec, {"min_tokens": n, "prompt_tokens_mean": sum(lens) / len(lens),
+                         **acceptance_run(llm, prompts, params, chat=False)}, args.out)
     return rec
 
 

@@ -36,6 +36,15 @@ def acceptance_run(llm, prompts, params, *, chat: bool) -> dict:
                 *[r.acceptance_per_position for r in out if r.acceptance_per_position])]}
 
 
+def record_run(rec: dict, run: dict, path: str) -> None:
+    """Append one run to the record, print it, and rewrite the record (a cut-off run keeps the
+    runs before it)."""
+    rec["runs"].append(run)
+    print(json.dumps(run), flush=True)
+    with open(path, "w") as f:
+        json.dump(rec, f, indent=2)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,11 +74,8 @@ def main(argv=None) -> dict:
         llm = LLM(args.model, draft=args.draft, draft_vocab=size or None,
                   max_lanes=args.max_lanes, max_context=2048)
         llm.generate(texts[:1], params[0], chat=True)  # compile
-        run = {"draft_vocab": size or None, **acceptance_run(llm, texts, params, chat=True)}
-        rec["runs"].append(run)
-        print(json.dumps(run), flush=True)
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=2)
+        record_run(rec, {"draft_vocab": size or None, **acceptance_run(llm, texts, params, chat=True)},
+                   args.out)
     return rec
 
 

@@ -77,12 +77,8 @@ save_state() {
     | split -b 15000000 -d - "$OUT/state.tgz.part"
   ls -la "$OUT"/state.tgz.part*
 }
-# the saved state carried as out/state/: the parts (or one state.tgz, as saved before), in order
-carried_state() {
-  if ls out/state/state.tgz.part* >/dev/null 2>&1; then cat out/state/state.tgz.part*
-  elif [ -f out/state/state.tgz ]; then cat out/state/state.tgz
-  else return 1; fi
-}
+# the saved state carried as out/state/: its parts in order (or one state.tgz, as saved before)
+STATE_FILES=$(ls out/state/state.tgz.part* 2>/dev/null || ls out/state/state.tgz 2>/dev/null)
 case "${1:-}" in
   target)
     if [ "${CONTINUE:-0}" = 1 ] && [ ! -f "$W/target/config.json" ]; then
@@ -98,9 +94,9 @@ case "${1:-}" in
     tar czf "$OUT/target_logs.tgz" -C "$W" logs target_heldout.json 2>/dev/null
     ;;
   drafters)
-    if [ ! -f "$W/target/config.json" ] && carried_state >/dev/null 2>&1; then
+    if [ ! -f "$W/target/config.json" ] && [ -n "$STATE_FILES" ]; then
       # a fresh machine: the prompts and replies an earlier call saved (SAVE_STATE=1), the shipped S
-      mkdir -p "$W" && { carried_state | tar xzf - -C "$W"; } || { echo "out/state: unreadable archive"; exit 2; }
+      mkdir -p "$W" && { cat $STATE_FILES | tar xzf - -C "$W"; } || { echo "out/state: unreadable archive"; exit 2; }
       cp -r "$(python3 -m jspec.standin path standin --compact)" "$W/target"
       echo "restored $W from out/state: $(ls "$W/data" | tr '\n' ' ')"
     fi
