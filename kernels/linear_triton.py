@@ -36,6 +36,18 @@ that chain is the same whatever M is:
     env DISABLE_MMA_V3=1 also forbids it, process-wide). So DOT_M <= 32 is mma.sync with any
     warps, and a 64/128-row dot only with 1-2 warps; `make_plan` refuses anything else and
     tests/test_kernels_linear.py compiles every plan it can make for sm_90 and reads the PTX.
+  * The v3 family (opt-in: MMA_FAMILY = "v3", or JSPEC_LINEAR_MMA=v3 in the environment before
+    the first import) trades that instruction for wgmma: every plan, decode included, takes
+    64-row (or 128-row) tiles in ONE dot with 4 (or 8) warps, which Triton 3.6 lowers on sm_90
+    to wgmma.m64nNk16 (bf16 in, fp32 accumulate) in k order. Same argument, other instruction,
+    other (equally fixed) bits: a row sits at row r % 64 of an m64 fragment whatever M is, and
+    decode's padded rows are masked zeros, as a 1-row GEMM's 15 are in an m16 fragment. Why: the
+    verify GEMM at 16-32 lanes (128-256 rows) is compute-heavy, and mma.sync at 128 rows ran at
+    about 250 TFLOP/s on the H200 (2026-12-02 profile, docs/benchmarks.md), twice the time of
+    the same weights at 16 rows. Its invariance on the GPU is not yet measured
+    (tests/test_batch_invariance_gpu.py covers it when run with JSPEC_LINEAR_MMA=v3), so v2
+    stays the default. A process computes every row in one family: the stock and speculative
+    engines of a comparison share the module's choice.
   * BLOCK_M, DOT_M, BLOCK_N, the warps, the stages and the grid depend on the shape: they decide
     which program and warp compute an element, and which other rows share its MMA, not the
     chain above. That last point assumes an MMA's output element does not depend on the other
@@ -79,6 +91,12 @@ MAX_SPLIT_K = 4
 # 1: every plan walks K unsplit (the walk measured on the H200); None: _split_k's rule. Split
 # walks stay opt-in until scripts/bench_linear.py --split-k has timed them on the GPU.
 FORCE_SPLIT_K: int | None = 1
+# The MMA instruction every bf16 plan is built on (module docstring): "v2" mma.sync m16n8k16
+# (measured invariant on the H200), "v3" wgmma m64nNk16 in 64/128-row single-dot tiles. fp32
+# inputs take FMA dots in either family. Part of the numerics, like BLOCK_K.
+MMA_FAMILIES = ("v2", "v3")
+MMA_FAMILY: str = os.environ.get("JSPEC_LINEAR_MMA", "v2")
+V3_BLOCK_M = 64  # the v3 family's default row tile: one warpgroup, one m64 fragment
 
 
 def _linear_kernel(x_ptr, w_ptr, y_ptr,
@@ -157,6 +175,7 @@ class Plan:
     num_stages: int
     ieee_dot: bool
     split_k: int = 1
+    mma: str = "v2"  # the family (not a constexpr: Triton picks the instruction from the tile)
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -228,10 +247,50 @@ def _split_k(N: int, K: int) -> int:
                 if s == 1 or (_split_ok(K, s) and steps // s >= SPLIT_MIN_STEPS))
 
 
+def _column_tile(M: int, N: int, block_m: int, sms: int) -> int:
+    """The widest column tile (128..32, else 16) that still gives two row x column tiles per SM
+    (a skinny GEMM is bound by how many weight bytes are in flight, so it needs many programs)."""
+    row_tiles = -(-M // block_m)
+    for bn in (128, 64, 32):
+        if row_tiles * -(-N // bn) >= 2 * sms:
+            return bn
+    return 16
+
+
+def _num_stages(block_m: int, block_n: int, ieee_dot: bool) -> int:
+    """Pipeline depth from the shared memory of one stage: x [block_m, 128] + w [128, block_n],
+    2 bytes (4 with IEEE fp32)."""
+    stage_bytes = (block_m + block_n) * BLOCK_K * (4 if ieee_dot else 2)
+    return max(2, min(4, SMEM_BUDGET // stage_bytes))
+
+
+def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stages,
+                  split_k) -> Plan:
+    """The wgmma family: one dot per program of block_m (64, or 128 with 8 warps) rows and 4 or
+    8 warps, whatever M, so Triton lowers it to wgmma.m64nNk16; the column tile by the
+    programs-per-SM rule at that row tile (decode at N = 4096: 16 columns, 256 programs)."""
+    block_m = block_m or V3_BLOCK_M
+    if block_m not in (64, 128):
+        raise ValueError(f"the v3 (wgmma) family takes 64- or 128-row tiles, got block_m={block_m}")
+    if dot_m not in (None, block_m):
+        raise ValueError(f"the v3 (wgmma) family computes a tile in one dot: dot_m must be "
+                         f"block_m ({block_m}), got {dot_m}")
+    num_warps = num_warps or (4 if block_m == 64 else 8)
+    if num_warps not in (4, 8):
+        raise ValueError(f"the v3 (wgmma) family needs 4 or 8 warps (whole warpgroups), got "
+                         f"{num_warps}")
+    block_n = block_n or _column_tile(M, N, block_m, sms)
+    if not _pow2(block_n) or not 16 <= block_n <= 256:
+        raise ValueError(f"block_n must be a power of two in [16, 256], got {block_n}")
+    return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=block_m, block_n=block_n,
+                num_warps=num_warps, num_stages=num_stages or _num_stages(block_m, block_n, False),
+                ieee_dot=False, split_k=split_k, mma="v3")
+
+
 def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | None = None,
               dot_m: int | None = None, block_n: int | None = None, num_sms: int | None = None,
               num_warps: int | None = None, num_stages: int | None = None,
-              split_k: int | None = None) -> Plan:
+              split_k: int | None = None, mma: str | None = None) -> Plan:
     """Tiles from the shape (none of these choices is meant to change a result's bits; see the
     module docstring). Up to 16 rows (decode) and when wide tiles would leave SMs idle: 16-row
     tiles with the widest column tile (16..128) that still gives two row x column tiles per SM
@@ -240,15 +299,24 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
     More rows (verify): the measured tiles of _wide_tiles, so each weight tile is read
     M / BLOCK_M times instead of M / 16. fp32 inputs keep 16 rows (FMA dots, kept small).
     The K splits are _split_k(N, K) whatever M (split_k overrides it, for tuning: another split
-    gives other bits, the same for every M; it must cut ceil(K / 128) steps evenly)."""
+    gives other bits, the same for every M; it must cut ceil(K / 128) steps evenly).
+    `mma` (default MMA_FAMILY): "v2" as above, "v3" the wgmma family (_make_plan_v3); fp32
+    inputs take the v2 plan's FMA dots in either."""
     if min(M, N, K) < 1:
         raise ValueError(f"linear: empty operand (M={M}, N={N}, K={K})")
+    mma = mma or MMA_FAMILY
+    if mma not in MMA_FAMILIES:
+        raise ValueError(f"linear: mma family must be one of {MMA_FAMILIES}, got {mma!r} "
+                         "(JSPEC_LINEAR_MMA / MMA_FAMILY)")
     if split_k is None:
         split_k = FORCE_SPLIT_K or _split_k(N, K)
     if not _split_ok(K, split_k):
         raise ValueError(f"split_k must divide the {-(-K // BLOCK_K)} steps of {BLOCK_K} in "
                          f"K = {K} evenly, got {split_k}")
     sms = num_sms or NUM_SMS_DEFAULT
+    if mma == "v3" and not ieee_dot:
+        return _make_plan_v3(M, N, K, block_m=block_m, dot_m=dot_m, block_n=block_n, sms=sms,
+                             num_warps=num_warps, num_stages=num_stages, split_k=split_k)
     if block_m is None:
         wide = None if (FORCE_BLOCK_M or ieee_dot) else _wide_tiles(M, N, sms, block_n)
         block_m, block_n = wide if wide else (FORCE_BLOCK_M or MMA_M, block_n)
@@ -256,12 +324,7 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
         raise ValueError(f"block_m must be a power of two in [{MMA_M}, {MAX_BLOCK_M}], "
                          f"got {block_m}")
     if block_n is None:
-        row_tiles = -(-M // block_m)
-        block_n = 16
-        for bn in (128, 64, 32):
-            if row_tiles * -(-N // bn) >= 2 * sms:
-                block_n = bn
-                break
+        block_n = _column_tile(M, N, block_m, sms)
     if not _pow2(block_n) or block_n < 16:
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_warps is None:
@@ -276,10 +339,8 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
     if dot_m % 64 == 0 and num_warps % 4 == 0:
         raise ValueError(f"a {dot_m}-row dot with {num_warps} warps lowers to wgmma on sm_90, "
                          "not mma.sync: use dot_m <= 32 or num_warps <= 2")
-    # Shared memory per stage: x [block_m, 128] + w [128, block_n], 2 bytes (4 with IEEE fp32).
-    stage_bytes = (block_m + block_n) * BLOCK_K * (4 if ieee_dot else 2)
     if num_stages is None:
-        num_stages = max(2, min(4, SMEM_BUDGET // stage_bytes))
+        num_stages = _num_stages(block_m, block_n, ieee_dot)
     return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=dot_m, block_n=block_n,
                 num_warps=num_warps, num_stages=num_stages, ieee_dot=bool(ieee_dot),
                 split_k=split_k)
@@ -291,7 +352,8 @@ def interpreter_enabled() -> bool:
 
 def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, split_k: int | None = None):
+                  num_stages: int | None = None, split_k: int | None = None,
+                  mma: str | None = None):
     """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant. The
     keyword overrides (row tile, rows per dot, tile width, warps, stages) are for tuning: none is
     meant to change a result's bits (module docstring: checked on the H200 across row tiles).
@@ -312,7 +374,7 @@ def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
         sms = None
     plan = make_plan(M, N, K, ieee_dot=np.dtype(x.dtype) == np.float32, block_m=block_m,
                      dot_m=dot_m, block_n=block_n, num_sms=sms, num_warps=num_warps,
-                     num_stages=num_stages, split_k=split_k)
+                     num_stages=num_stages, split_k=split_k, mma=mma)
     out = triton_call(
         x, w, kernel=_kernel(), name="linear_bi",
         out_shape=jax.ShapeDtypeStruct(plan.out_shape, jnp.float32), grid=plan.grid,
@@ -322,7 +384,7 @@ def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
 
 def launch_torch(x, w, *, block_m: int | None = None, dot_m: int | None = None,
                  block_n: int | None = None, num_warps: int | None = None,
-                 split_k: int | None = None):
+                 split_k: int | None = None, mma: str | None = None):
     """The same kernel, plan and combine on torch tensors: Triton's CPU interpreter (tests; the
     process must start with TRITON_INTERPRET=1) or a CUDA torch build."""
     import torch
@@ -333,7 +395,7 @@ def launch_torch(x, w, *, block_m: int | None = None, dot_m: int | None = None,
     M, K = x.shape
     N = w.shape[0]
     plan = make_plan(M, N, K, ieee_dot=x.dtype == torch.float32, block_m=block_m, dot_m=dot_m,
-                     block_n=block_n, num_warps=num_warps, split_k=split_k)
+                     block_n=block_n, num_warps=num_warps, split_k=split_k, mma=mma)
     y = torch.full(plan.out_shape, float("nan"), dtype=torch.float32, device=x.device)
     _kernel()[plan.grid](x.contiguous(), w.contiguous(), y, num_warps=plan.num_warps,
                          num_stages=plan.num_stages, **plan.constexprs())

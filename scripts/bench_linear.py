@@ -8,8 +8,9 @@ none of 56 tilings did), but nothing here assumes it: every timed configuration'
 first call of its timed chain, on the same inputs) is compared bit for bit with the default
 plan's, and the record says which differ (`bits_equal_plan`, `n_diff`, `bits`). The number of K
 splits is another matter: it is part of the sum (fixed per shape, never per M), so a
-configuration with another split_k than the plan's is expected to differ from it (`same_split`
-false; `bits.other_split_differ`, not a failure); only same-split configurations must match
+configuration with another split_k (or another MMA family: the v2 16-row fallback under
+`--mma v3`) than the plan's is expected to differ from it (`same_split` false;
+`bits.other_split_differ`, not a failure); only same-split, same-family configurations must match
 (`bits.differ_from_plan` should stay empty). Every output is checked against XLA's
 (`max_rel_err_vs_xla`).
 
@@ -23,6 +24,8 @@ JSON is rewritten after every step. The best per (shape, rows) is over all timed
       --shapes qkv,o,gate_up,down --block-m auto --block-n auto --split-k 1,2,3,4 \
       --budget-s 70 --out $OUT/linear.json
   python3 scripts/bench_linear.py --dry-run ... --out x   # list what would be timed (no GPU)
+  timeout 100 python3 scripts/bench_linear.py --mma v3 --rows 1,16,128,256 --sweep-rows 128,256 \
+      --block-m 64,128 --block-n 16,32,64,128 --warps 4,8 --budget-s 80 --out $OUT/linear_v3.json
 """
 
 from __future__ import annotations
@@ -80,12 +83,13 @@ def _ints(spec: str, name: str) -> list:
 
 def cfg_of(plan) -> dict:
     return dict(block_m=plan.block_m, dot_m=plan.dot_m, block_n=plan.block_n,
-                num_warps=plan.num_warps, num_stages=plan.num_stages, split_k=plan.split_k)
+                num_warps=plan.num_warps, num_stages=plan.num_stages, split_k=plan.split_k,
+                mma=plan.mma)
 
 
 def label(cfg: dict) -> str:
     return (f"bm{cfg['block_m']}_dm{cfg['dot_m']}_bn{cfg['block_n']}_w{cfg['num_warps']}"
-            f"_s{cfg['num_stages']}_sk{cfg['split_k']}")
+            f"_s{cfg['num_stages']}_sk{cfg['split_k']}" + ("_v3" if cfg["mma"] == "v3" else ""))
 
 
 def sweep_configs(M: int, N: int, K: int, args, num_sms: int | None) -> list[dict]:
@@ -111,7 +115,7 @@ def sweep_configs(M: int, N: int, K: int, args, num_sms: int | None) -> list[dic
                              num_stages=st, num_sms=num_sms, split_k=sk)
         except ValueError:
             continue
-        if (tile(plan) != tile(dflt)
+        if (tile(plan) != tile(dflt) and plan.mma == "v2"
                 and not WARP_TILE[0] <= plan.block_m * plan.block_n // plan.num_warps
                 <= WARP_TILE[1]):
             continue
@@ -143,6 +147,11 @@ def main(argv=None) -> None:
     ap.add_argument("--split-k", default="auto", help="K splits, e.g. 1,2,3,4 (auto: the plan's "
                     "rule from (N, K); one that does not cut K's 128-steps evenly is skipped). "
                     "Another split than the plan's gives other bits, expectedly")
+    ap.add_argument("--mma", default="v2", choices=("v2", "v3"),
+                    help="the MMA family of the default plan and the sweep (linear_triton."
+                    "MMA_FAMILY): v2 mma.sync, v3 wgmma (64/128-row single-dot tiles, 4/8 "
+                    "warps; the sweep's other row tiles are refused). The 16-row fallback is "
+                    "always v2's: another family, other bits, expectedly")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop sweeping once the run is this old (0: no limit)")
     ap.add_argument("--dry-run", action="store_true", help="list the sweep, time nothing")
@@ -153,13 +162,16 @@ def main(argv=None) -> None:
                                                         if m]
     shapes = {s: SHAPES[s] for s in args.shapes.split(",") if s}
 
+    import jspec.kernels.linear_triton as lt
     from jspec.kernels.linear_triton import make_plan
 
+    lt.MMA_FAMILY = args.mma  # the plan every default below resolves to
     if args.dry_run:
         total, base = 0, 0
         for M in sorted(set(rows) | set(sweep_rows)):
             for name, (N, K) in shapes.items():
-                plan, legacy = (label(cfg_of(make_plan(M, N, K, block_m=bm))) for bm in (None, 16))
+                plan = label(cfg_of(make_plan(M, N, K)))
+                legacy = label(cfg_of(make_plan(M, N, K, block_m=16, mma="v2")))
                 unsplit = label(cfg_of(make_plan(M, N, K, split_k=1)))
                 base += 2 + (legacy != plan) + (unsplit != plan)
                 cfgs = ([label(c) for c in sweep_configs(M, N, K, args, None)]
@@ -216,7 +228,8 @@ def main(argv=None) -> None:
         entry["max_rel_err_vs_xla"] = float(jnp.max(jnp.abs(y - y_xla)) / scale)
         if y_plan is not None:
             n_diff = int(jnp.sum(y != y_plan))
-            same = plan.split_k == make_plan(M, N, K, num_sms=sms).split_k
+            dflt = make_plan(M, N, K, num_sms=sms)
+            same = plan.split_k == dflt.split_k and plan.mma == dflt.mma
             entry.update(bits_equal_plan=n_diff == 0, n_diff=n_diff, same_split=same)
             if n_diff:
                 (differ if same else other_split).append(
@@ -244,7 +257,7 @@ def main(argv=None) -> None:
                    "best": entry if "us" in entry else None}
             results[name, M] = row
             record["rows"].append(row)
-            legacy = cfg_of(make_plan(M, N, K, num_sms=sms, block_m=16))
+            legacy = cfg_of(make_plan(M, N, K, num_sms=sms, block_m=16, mma="v2"))
             if label(legacy) != entry["label"]:
                 row["legacy"] = run(name, M, legacy, y_plan)[0]
             unsplit = cfg_of(make_plan(M, N, K, num_sms=sms, split_k=1))

@@ -20,9 +20,12 @@ from test_kernels_gpu import _need_gpu  # noqa: F401  (module fixture: skip with
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("mma", ["v2", "v3"])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
                                  (151936, 4096)], ids=["qkv", "o", "gate_up", "down", "lm_head"])
-def test_linear_triton_rows_invariant_and_correct(N, K):
+def test_linear_triton_rows_invariant_and_correct(N, K, mma):
+    """Every row alone and among 8..256 rows: the same bits, in both MMA families (v2 mma.sync,
+    the default; v3 wgmma, opt-in until this passes on the H200)."""
     from jspec.kernels.linear import linear_xla
     from jspec.kernels.linear_triton import linear_triton
     kx, kw = jax.random.split(jax.random.PRNGKey(N + K))
@@ -34,10 +37,11 @@ def test_linear_triton_rows_invariant_and_correct(N, K):
     ref = np.asarray(jax.jit(linear_xla)(x, w))
     # The default plan (unsplit), and the split rule's walk (opt-in until timed) where it splits.
     for split in sorted({1, _split_k(N, K)}):
-        f = jax.jit(functools.partial(linear_triton, split_k=split))
+        f = jax.jit(functools.partial(linear_triton, split_k=split, mma=mma))
         full = np.asarray(f(x, w))  # 256 rows: the widest row tiles the plan picks
         for m in (1, 8, 16, 32, 128):  # every row, not only row 0: rows in later dot blocks too
-            np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m], err_msg=f"split {split}")
+            np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m],
+                                          err_msg=f"{mma} split {split}, {m} rows")
         np.testing.assert_allclose(full, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 

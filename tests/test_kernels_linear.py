@@ -105,6 +105,19 @@ def test_linear_row_tilings_give_the_same_bits(interpreted):
         np.testing.assert_array_equal(got, base, err_msg=f"block_m={bm} dot_m={dm} block_n={bn}")
 
 
+def test_v3_family_plans_tile_every_row_count(interpreted):
+    """The wgmma family's plans (64-row single-dot tiles, or 128 rows; decode's rows padded into
+    one tile) store every row of 1..70-row GEMMs where it belongs, with the values the v2 plan
+    gives under the interpreter's row-exact dot (on the GPU the two families give different
+    bits: another MMA instruction)."""
+    base = interpreted["inv70"]
+    for m in INVARIANCE_ROWS:
+        got = interpreted[f"v3_inv{m}"]
+        assert got.shape == (m, INV_N)
+        np.testing.assert_array_equal(got, base[:m], err_msg=f"{m} rows")
+    np.testing.assert_array_equal(interpreted["v3_tile128_bn32"], base)
+
+
 @pytest.mark.parametrize("split", INV_SPLITS)
 def test_split_k_rows_are_batch_invariant(interpreted, split):
     """With K split (fixed by the shape, never by M): row 0 alone and among 5, 16, 33 or 70 rows,
@@ -249,6 +262,35 @@ def test_plan_depends_on_the_shape_only_where_it_may(monkeypatch):
         make_plan(0, 8, 8)
 
 
+def test_v3_plans_are_one_wgmma_tile_whatever_the_rows(monkeypatch):
+    """The v3 (wgmma) family: at every Qwen3-8B shape and row count one 64-row dot with 4 warps
+    per program (the row tile never follows M, so a row sits at r % 64 of its fragment in decode
+    and verify alike), K walked as in v2; fp32 inputs keep v2's FMA plan; JSPEC_LINEAR_MMA's
+    module default picks the family; bad families and tiles are refused by name."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    import jspec.kernels.linear_triton as lt
+    from jspec.kernels.linear_triton import BLOCK_K, SMEM_BUDGET, make_plan
+    for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS):
+        p = make_plan(M, N, K, mma="v3")
+        assert (p.mma, p.block_m, p.dot_m, p.num_warps) == ("v3", 64, 64, 4), (M, N, K)
+        assert p.constexprs()["BLOCK_K"] == BLOCK_K and p.split_k == make_plan(M, N, K).split_k
+        assert p.num_stages * (p.block_m + p.block_n) * BLOCK_K * 2 <= SMEM_BUDGET
+        assert p.grid[0] == -(-M // 64)
+    assert make_plan(1, 4096, 4096, mma="v3").grid == (1, 256)  # decode: 16 columns, 256 programs
+    assert make_plan(256, 4096, 4096, ieee_dot=True, mma="v3").mma == "v2"
+    assert make_plan(256, 4096, 4096, mma="v3", block_m=128).num_warps == 8
+    for bad, match in ((dict(block_m=32), "64- or 128-row"), (dict(dot_m=32), "one dot"),
+                       (dict(num_warps=2), "warpgroups"), (dict(block_n=512), "block_n")):
+        with pytest.raises(ValueError, match=match):
+            make_plan(256, 4096, 4096, mma="v3", **bad)
+    with pytest.raises(ValueError, match="mma family"):
+        make_plan(8, 4096, 4096, mma="v4")
+    assert make_plan(8, 4096, 4096).mma == "v2"  # the default family
+    monkeypatch.setattr(lt, "MMA_FAMILY", "v3")
+    assert make_plan(8, 4096, 4096).mma == "v3"
+
+
 def test_combine_is_the_ordered_chain_of_adds():
     """The JAX combine of the split partials (what linear_triton runs after the kernel) is the
     left-to-right chain ((p0 + p1) + p2) + p3 for every M, as compiled by XLA (here the CPU
@@ -328,6 +370,8 @@ def _interpret_worker(work: Path) -> None:
             for a in _inputs(99, max(INVARIANCE_ROWS), INV_N, INV_K, "bfloat16"))
     for m in INVARIANCE_ROWS:
         out[f"inv{m}"] = launch_torch(x[:m], w, block_n=16).numpy()
+        out[f"v3_inv{m}"] = launch_torch(x[:m], w, mma="v3").numpy()  # one 64-row tile or two
+    out["v3_tile128_bn32"] = launch_torch(x, w, mma="v3", block_m=128, block_n=32).numpy()
     for bm, dm, bn in TILINGS:  # the interpreter ignores the warps; 2 let a 64+-row dot through
         out[f"tiling_{bm}_{dm}_{bn}"] = launch_torch(x, w, block_m=bm, dot_m=dm, block_n=bn,
                                                      num_warps=2 if dm >= 64 else None).numpy()
@@ -435,6 +479,37 @@ def test_linear_compiles_for_sm90(case):
     assert ("%ctaid.z" in ptx) == (plan.split_k > 1)
     spills = _spill_bytes(compiled.asm["cubin"])
     assert spills in (None, 0), f"{spills} bytes of spills"
+
+
+def _sm90_v3_cases():
+    """(id, M, N, K): one per distinct v3 kernel configuration at Qwen3-8B's shapes, 1..256 rows."""
+    try:
+        from jspec.kernels.linear_triton import make_plan
+    except Exception:  # noqa: BLE001 - no triton: the tests skip
+        return [("no_triton", 1, 16, 16)]
+    cases = {}
+    for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS):
+        p = make_plan(M, N, K, mma="v3")
+        cases.setdefault(f"bm{p.block_m}_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}", (M, N, K))
+    return sorted((k, *v) for k, v in cases.items())
+
+
+@pytest.mark.parametrize("case", _sm90_v3_cases(), ids=lambda c: c[0])
+def test_v3_plans_compile_to_wgmma_for_sm90(case):
+    """Every v3 plan compiles for the H200 to wgmma.m64nNk16 (bf16 in, fp32 accumulate), N the
+    plan's column tile, and no mma.sync: the instruction the v3 family's invariance rests on."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.linear_triton import make_plan
+    _, M, N, K = case
+    plan = make_plan(M, N, K, mma="v3")
+    compiled = _compile_sm90(plan.constexprs(), plan.num_warps, plan.num_stages)
+    assert compiled.metadata.shared <= 227 * 1024
+    ptx = compiled.asm["ptx"]
+    assert "mma.sync" not in ptx
+    assert set(re.findall(r"\bwgmma\.mma_async\S+", ptx)) == {
+        f"wgmma.mma_async.sync.aligned.m64n{plan.block_n}k16.f32.bf16.bf16"}
+    assert _spill_bytes(compiled.asm["cubin"]) in (None, 0)
 
 
 def test_sm90_dot_of_64_rows_with_4_warps_is_wgmma():
