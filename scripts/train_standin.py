@@ -56,6 +56,11 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--toy", action="store_true", help="tiny shapes and steps for a CPU run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-seed", type=int, default=None,
+                    help="draws the training prompts and their replies' sampling seeds (default: "
+                    "--seed); the corpus, its held-out split and the held-out prompts and replies "
+                    "stay on --seed, so another value gives a later session fresh training data "
+                    "measured on the same held-out set")
     ap.add_argument("--tokenizer", default="qwen3",
                     help="'qwen3' (the shipped Qwen3 vocabulary), 'train:N' (a BPE of N ids trained "
                          "on the corpus, for toy runs) or a directory with tokenizer.json")
@@ -372,33 +377,40 @@ def stage_prompts(args, out: Path, tok, train_texts, held_texts, train_docs, hel
     sets = {}
     for name, texts, docs, n in (("prompts", train_texts, train_docs, args.prompts),
                                  ("prompts_eval", held_texts, held_docs, args.eval_prompts)):
+        seed = prompt_seed(args) if name == "prompts" else args.seed
         path = data / f"{name}.jsonl"
         if path.is_file():
             sets[name] = [json.loads(line)["prompt_ids"] for line in path.read_text().splitlines() if line]
             continue
         prompts = []
         if args.tokenizer == "qwen3":
-            chats = chat_tasks(texts, tok, n // 2 if name == "prompts" else n, args.seed + 7 + len(name), False)
+            chats = chat_tasks(texts, tok, n // 2 if name == "prompts" else n, seed + 7 + len(name), False)
             prompts = [ids for ids in tok.encode_batch(chats) if len(ids) <= args.prompt_max]
         try:
-            prompts += make_prompts(docs, n - len(prompts), args.prompt_min, args.prompt_max, args.seed + len(name))
+            prompts += make_prompts(docs, n - len(prompts), args.prompt_min, args.prompt_max, seed + len(name))
         except ValueError:
             prompts += make_prompts(train_docs, n - len(prompts), args.prompt_min, args.prompt_max,
-                                    args.seed + len(name))
+                                    seed + len(name))
         path.write_text("".join(json.dumps({"prompt_ids": list(map(int, p))}) + "\n" for p in prompts))
         sets[name] = prompts
     return sets["prompts"], sets["prompts_eval"]
 
 
-def engine_replies(full_dir: Path, prompts, args, temperature: float, raw: bool = False) -> list[list[int]]:
+def prompt_seed(args) -> int:
+    return args.seed if args.prompt_seed is None else args.prompt_seed
+
+
+def engine_replies(full_dir: Path, prompts, args, temperature: float, raw: bool = False,
+                   seed: int | None = None) -> list[list[int]]:
     """S's replies through the jspec engine on the expanded (full-vocabulary) S: the law the
-    graft serves. Per-request seeds; top-p / top-k only when sampling and not `raw`."""
+    graft serves. Per-request seeds from `seed` (default --seed); top-p / top-k only when
+    sampling and not `raw`."""
     from jspec.api import LLM, SamplingParams
     longest = max(map(len, prompts)) + args.reply_tokens
     llm = LLM(full_dir, dtype=args.compute_dtype, max_lanes=args.reply_lanes,
               max_context=-(-longest // 64) * 64, prefill_chunk=512, attn_impl="auto")
     truncate = temperature and not raw
-    seed0 = args.seed * 100003 + (7919 if raw else 0)  # the raw set draws other seeds
+    seed0 = (args.seed if seed is None else seed) * 100003 + (7919 if raw else 0)  # raw: other seeds
     sp = [SamplingParams(temperature=temperature, top_p=args.reply_top_p if truncate else 1.0,
                          top_k=args.reply_top_k if truncate else 0, seed=seed0 + i,
                          max_tokens=args.reply_tokens) for i in range(len(prompts))]
@@ -413,6 +425,7 @@ DRAFTERS = {"dspark": (False, "DSPARK_LOSS"), "dflash": (True, "DFLASH_LOSS"),
 REPLY_SETS = {"train": "replies", "train_t1": "replies_t1", "eval": "replies_eval",
               "eval_t1": "replies_eval_t1"}
 T1_SETS = ("replies_t1", "replies_eval_t1")  # sampled at T = 1.0, untruncated, with --reply-t1
+TRAIN_SETS = ("replies", "replies_t1")  # replies to the training prompts (--prompt-seed)
 
 
 def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | None):
@@ -447,10 +460,12 @@ def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | Non
         else:
             t0 = time.time()
             if full_dir is not None:
-                replies = engine_replies(full_dir, prompt_set, args, temperature, raw=name in T1_SETS)
+                replies = engine_replies(full_dir, prompt_set, args, temperature, raw=name in T1_SETS,
+                                         seed=prompt_seed(args) if name in TRAIN_SETS else None)
             else:  # a plain loop without a KV cache: fine at toy size, slow at 4k context
                 replies = sample_replies(model, prompt_set, args.reply_tokens, temperature=temperature,
-                                         seed=args.seed, eos_ids=eos_ids, batch_size=args.reply_batch,
+                                         seed=prompt_seed(args) if name in TRAIN_SETS else args.seed,
+                                         eos_ids=eos_ids, batch_size=args.reply_batch,
                                          progress=not args.quiet)
             write_replies(path, prompt_set, replies)
             log(f"{name}: {len(prompt_set)} replies, {sum(map(len, replies)):,} tokens, "

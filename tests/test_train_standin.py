@@ -168,6 +168,21 @@ def test_a_given_s_is_kept_and_its_vocabulary_checked(trained, tmp_path):
         ts.main(argv + ["--only-target"])
 
 
+def test_prompt_seed_draws_other_training_prompts_on_the_same_held_out_set(trained, tmp_path):
+    """--prompt-seed (gpu_train_standin's PROMPT_SEED): another draw of training prompts from the
+    same corpus, while the held-out prompts (what every session's eval reads) stay the run seed's."""
+    import shutil
+    out, _, common = trained
+    run = tmp_path / "reseeded"
+    shutil.copytree(out / "target", run / "target")
+    _script("train_standin").main([a if a != str(out) else str(run) for a in common]
+                                  + ["--only-target", "--prompt-seed", "5"])
+    read = lambda d, n: (d / "data" / f"{n}.jsonl").read_text()  # noqa: E731
+    assert read(run, "prompts_eval") == read(out, "prompts_eval")
+    assert read(run, "prompts") != read(out, "prompts")
+    assert len(read(run, "prompts").splitlines()) == len(read(out, "prompts").splitlines())
+
+
 def test_the_ce_ablation_trains_dspark_on_cross_entropy_alone(trained):
     """--only-drafter dspark_ce: DSpark's architecture (Markov head, confidence head) on the CE-only
     objective, beside the others in the same run directory."""
