@@ -11,10 +11,19 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
 LINEAR_IMPLS = ("xla", "triton")
+MMA_ENV = "JSPEC_LINEAR_MMA"  # the "triton" kernel's MMA family (linear_triton.MMA_FAMILY)
+
+
+def mma_family_from_env() -> str:
+    """The batch-invariant kernel's MMA family this process asked for ("v2" unless set), read
+    without importing Triton (records name it; linear_triton validates it)."""
+    return os.environ.get(MMA_ENV, "v2")
 
 
 def linear_xla(x, w):

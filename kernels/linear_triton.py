@@ -75,6 +75,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from jspec.kernels.linear import mma_family_from_env
+
 BLOCK_K = 128  # reduction step: fixed (see module docstring)
 MMA_M = 16  # rows of one mma.sync fragment: row tiles are multiples of it
 MAX_BLOCK_M = 128  # widest row tile a plan takes
@@ -95,7 +97,7 @@ FORCE_SPLIT_K: int | None = 1
 # (measured invariant on the H200), "v3" wgmma m64nNk16 in 64/128-row single-dot tiles. fp32
 # inputs take FMA dots in either family. Part of the numerics, like BLOCK_K.
 MMA_FAMILIES = ("v2", "v3")
-MMA_FAMILY: str = os.environ.get("JSPEC_LINEAR_MMA", "v2")
+MMA_FAMILY: str = mma_family_from_env()
 V3_BLOCK_M = 64  # the v3 family's default row tile: one warpgroup, one m64 fragment
 
 

@@ -232,6 +232,8 @@ def test_bench_quick_end_to_end(bench_pair, tmp_path, capsys):
     assert rec["likelihood"]["too_few_replies"] and not rec["gates"]["likelihood"]["ok"]
     assert rec["peer"]["status"] == "skipped"
     assert "SpecScore: null" in capsys.readouterr().out
+    # The run's key names the invariant kernel's MMA family only when that kernel runs.
+    assert json.loads((out / "parts" / "solo.json").read_text())["key"]["linear_mma"] is None
 
     # The same run split over two --out directories (as on two GPUs) merges into one record.
     import shutil

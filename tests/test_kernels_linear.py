@@ -289,6 +289,11 @@ def test_v3_plans_are_one_wgmma_tile_whatever_the_rows(monkeypatch):
     assert make_plan(8, 4096, 4096).mma == "v2"  # the default family
     monkeypatch.setattr(lt, "MMA_FAMILY", "v3")
     assert make_plan(8, 4096, 4096).mma == "v3"
+    from jspec.kernels.linear import MMA_ENV, mma_family_from_env
+    monkeypatch.delenv(MMA_ENV, raising=False)
+    assert mma_family_from_env() == "v2"
+    monkeypatch.setenv(MMA_ENV, "v3")
+    assert mma_family_from_env() == "v3"  # what the module reads at import, and records name
 
 
 def test_combine_is_the_ordered_chain_of_adds():

@@ -49,6 +49,7 @@ from pathlib import Path
 from jspec.bench import gate as G
 from jspec.bench import workloads as W
 from jspec.config import SPEC_DECODE_STEPS, STOCK_DECODE_STEPS
+from jspec.kernels.linear import mma_family_from_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -241,6 +242,8 @@ class Bench:
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
                     "dtype": args.dtype, "commit": commit,
                     "batch_invariant": args.batch_invariant,
+                    # the invariant linear kernel's MMA family (kernels/linear_triton.py)
+                    "linear_mma": mma_family_from_env() if args.batch_invariant else None,
                     "draft_kv_dtype": args.draft_kv_dtype,
                     "draft_vocab": getattr(args, "draft_vocab", None)}
         self.git = {"commit": commit, "dirty": dirty}
