@@ -269,8 +269,11 @@ def _num_stages(block_m: int, block_n: int, ieee_dot: bool) -> int:
 def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stages,
                   split_k) -> Plan:
     """The wgmma family: one dot per program of block_m (64, or 128 with 8 warps) rows and 4 or
-    8 warps, whatever M, so Triton lowers it to wgmma.m64nNk16; the column tile by the
-    programs-per-SM rule at that row tile (decode at N = 4096: 16 columns, 256 programs)."""
+    8 warps, whatever M, so Triton lowers it to wgmma.m64nNk16. Column tiles as v2's: up to 16
+    rows the programs-per-SM rule (decode at N = 4096: 16 columns, 256 programs), above it
+    _wide_tiles' measured columns (64, then 128), which keep the x rows a program re-reads from
+    L2 near its weight bytes (a 64-row tile over 16 columns would read 4x the weights in x).
+    Not yet tuned on the GPU: scripts/gpu_linear_v3.sh sweeps them."""
     block_m = block_m or V3_BLOCK_M
     if block_m not in (64, 128):
         raise ValueError(f"the v3 (wgmma) family takes 64- or 128-row tiles, got block_m={block_m}")
@@ -281,7 +284,9 @@ def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stage
     if num_warps not in (4, 8):
         raise ValueError(f"the v3 (wgmma) family needs 4 or 8 warps (whole warpgroups), got "
                          f"{num_warps}")
-    block_n = block_n or _column_tile(M, N, block_m, sms)
+    if block_n is None:
+        wide = _wide_tiles(M, N, sms, None)
+        block_n = wide[1] if wide else _column_tile(M, N, block_m, sms)
     if not _pow2(block_n) or not 16 <= block_n <= 256:
         raise ValueError(f"block_n must be a power of two in [16, 256], got {block_n}")
     return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=block_m, block_n=block_n,
