@@ -576,18 +576,24 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
         return sum(len(r.token_ids) for r in res) / sum(
             len(r.token_ids) / r.tokens_per_step for r in res if r.tokens_per_step)
 
+    def per_request(res) -> dict:  # in prompt order: what scripts/compare_drafters.py pairs
+        return {"tokens": [len(r.token_ids) for r in res],  # steps as tokens_per_step counts them
+                "steps": [round(len(r.token_ids) / r.tokens_per_step, 4) if r.tokens_per_step else 0.0
+                          for r in res]}
+
     for name, d in drafters.items():
         llm = LLM(full_target, draft=d, **kw)
         for label, sp in (("t1", SamplingParams(temperature=1.0, seed=0, max_tokens=args.eval_max_tokens)),
                           ("greedy", SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens))):
             res = llm.generate(prompts, [dataclasses.replace(sp, seed=i) for i in range(len(prompts))])
             rec = {"tokens_per_step": tokens_per_step(res), "tokens": sum(len(r.token_ids) for r in res),
-                   "mean_per_request": sum(r.tokens_per_step for r in res) / len(res)}
+                   "mean_per_request": sum(r.tokens_per_step for r in res) / len(res),
+                   "per_request": per_request(res)}
             if label == "t1" and long_prompts:
                 res = llm.generate(long_prompts, [dataclasses.replace(sp, seed=i) for i in range(len(long_prompts))])
                 rec["long"] = {"prompts": len(long_prompts), "min_tokens": args.eval_long_tokens,
                                "prompt_tokens_mean": sum(map(len, long_prompts)) / len(long_prompts),
-                               "tokens_per_step": tokens_per_step(res)}
+                               "tokens_per_step": tokens_per_step(res), "per_request": per_request(res)}
                 log(f"eval {name} t1, prompts of >= {args.eval_long_tokens} tokens: tokens per verify "
                     f"step {rec['long']['tokens_per_step']:.3f}")
             if label == "greedy":

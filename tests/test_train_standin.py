@@ -229,4 +229,8 @@ def test_joined_rows_and_the_long_prompt_eval_run_end_to_end(trained, tmp_path):
     long = summary["engine_eval"]["dspark_t1"]["long"]
     assert long["prompts"] == 2 and long["prompt_tokens_mean"] >= 300
     assert 1.0 <= long["tokens_per_step"] <= 8.0
+    for rec in (summary["engine_eval"]["dspark_t1"], long):  # what compare_drafters.py pairs
+        per = rec["per_request"]
+        assert len(per["tokens"]) == len(per["steps"]) >= 2
+        assert sum(per["tokens"]) / sum(per["steps"]) == pytest.approx(rec["tokens_per_step"], rel=1e-3)
     assert "long" not in summary["engine_eval"]["dspark_greedy"]
