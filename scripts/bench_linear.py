@@ -24,8 +24,8 @@ JSON is rewritten after every step. The best per (shape, rows) is over all timed
       --shapes qkv,o,gate_up,down --block-m auto --block-n auto --split-k 1,2,3,4 \
       --budget-s 70 --out $OUT/linear.json
   python3 scripts/bench_linear.py --dry-run ... --out x   # list what would be timed (no GPU)
-  timeout 100 python3 scripts/bench_linear.py --mma v3 --rows 1,16,128,256 --sweep-rows 128,256 \
-      --block-m 64,128 --block-n 16,32,64,128 --warps 4,8 --budget-s 80 --out $OUT/linear_v3.json
+  timeout 110 python3 scripts/bench_linear.py --mma v3 --rows 1,16,128,256 --sweep-rows 128,256 \
+      --block-m 64,128 --block-n 16,32,64,128 --warps 4,8 --budget-s 90 --out $OUT/linear_v3.json  # gpu_linear_v3.sh
 """
 
 from __future__ import annotations

@@ -33,10 +33,11 @@
 # DRAFT_BATCH (sequences of 2048 tokens per drafter step, 8) and PROMPTS (corpus prompts S replies
 # to, 4096). PROMPT_SEED (0) draws the training prompts and their replies (the held-out set stays
 # on the run's seed): a session whose replies were lost with its machine draws fresh ones with
-# another value (2026-12-02's third session: 0, 16,384 prompts). REPLY_LANES (256): lanes the engine samples S's replies with; S is small, so a step
-# costs about the same at more lanes (12,288 prompts took 129 s per set at 256 on 2026-12-02). By count, a drafter step is about 1.6 TFLOP (mostly the 28,672 block rows' two
-# vocabulary projections, drafter and target), so at 8.5 steps/s the H200 did about 14 TFLOP/s:
-# a larger batch may cost little time per step. Not yet measured. DRAFT_LR (1.5e-3) goes with it.
+# another value (2026-12-02's third session: 0, 16,384 prompts). REPLY_LANES (256): lanes the
+# engine samples S's replies with (2026-12-02: 10.5 ms per prompt at 256, 9.6 at 512). By count,
+# a drafter step is about 1.6 TFLOP (mostly the 28,672 block rows' two vocabulary projections,
+# drafter and target), so at 8.5 steps/s the H200 did about 14 TFLOP/s: a larger batch may cost
+# little time per step. Not yet measured. DRAFT_LR (1.5e-3) goes with it.
 # Long contexts: the bench's busy prompts hold >= 3,000 tokens, and there the drafter accepted
 # much less (CPU, 2026-12-02: 2.43 tokens per verify step at 82-token prompts, 1.60 at 3,058,
 # while the target's replies grew more predictable). JOINED=SHARE joins that share of the packed
@@ -59,7 +60,8 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --seq-len 4096 --short-seq-len ${SHORT_SEQ:-1024} --long-every 5 --batch ${TARGET_BATCH:-32}
         --target-steps ${TARGET_STEPS:-3000} --target-lr ${TARGET_LR:-2e-3}
         --eval-every 1000 --eval-rows 64
-        --prompts ${PROMPTS:-4096} --prompt-seed ${PROMPT_SEED:-0} --eval-prompts 64 --prompt-min 64 --prompt-max 1024 --reply-tokens 512
+        --prompts ${PROMPTS:-4096} --prompt-seed ${PROMPT_SEED:-0} --eval-prompts 64
+        --prompt-min 64 --prompt-max 1024 --reply-tokens 512
         --reply-lanes ${REPLY_LANES:-256} --reply-t1
         --draft-seq-len ${DRAFT_SEQ:-2048} --draft-layers 2 --block-size 7 --anchors ${ANCHORS:-512}
         --markov-rank 32 --joined-rows ${JOINED:-0}

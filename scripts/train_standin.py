@@ -400,17 +400,17 @@ def prompt_seed(args) -> int:
     return args.seed if args.prompt_seed is None else args.prompt_seed
 
 
-def engine_replies(full_dir: Path, prompts, args, temperature: float, raw: bool = False,
-                   seed: int | None = None) -> list[list[int]]:
+def engine_replies(full_dir: Path, prompts, args, temperature: float, seed: int,
+                   raw: bool = False) -> list[list[int]]:
     """S's replies through the jspec engine on the expanded (full-vocabulary) S: the law the
-    graft serves. Per-request seeds from `seed` (default --seed); top-p / top-k only when
-    sampling and not `raw`."""
+    graft serves. Per-request seeds from `seed`; top-p / top-k only when sampling and not
+    `raw`."""
     from jspec.api import LLM, SamplingParams
     longest = max(map(len, prompts)) + args.reply_tokens
     llm = LLM(full_dir, dtype=args.compute_dtype, max_lanes=args.reply_lanes,
               max_context=-(-longest // 64) * 64, prefill_chunk=512, attn_impl="auto")
     truncate = temperature and not raw
-    seed0 = (args.seed if seed is None else seed) * 100003 + (7919 if raw else 0)  # raw: other seeds
+    seed0 = seed * 100003 + (7919 if raw else 0)  # the raw set draws other seeds
     sp = [SamplingParams(temperature=temperature, top_p=args.reply_top_p if truncate else 1.0,
                          top_k=args.reply_top_k if truncate else 0, seed=seed0 + i,
                          max_tokens=args.reply_tokens) for i in range(len(prompts))]
@@ -459,13 +459,13 @@ def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | Non
             sets[name] = None
         else:
             t0 = time.time()
+            seed = prompt_seed(args) if name in TRAIN_SETS else args.seed
             if full_dir is not None:
-                replies = engine_replies(full_dir, prompt_set, args, temperature, raw=name in T1_SETS,
-                                         seed=prompt_seed(args) if name in TRAIN_SETS else None)
+                replies = engine_replies(full_dir, prompt_set, args, temperature, seed,
+                                         raw=name in T1_SETS)
             else:  # a plain loop without a KV cache: fine at toy size, slow at 4k context
                 replies = sample_replies(model, prompt_set, args.reply_tokens, temperature=temperature,
-                                         seed=prompt_seed(args) if name in TRAIN_SETS else args.seed,
-                                         eos_ids=eos_ids, batch_size=args.reply_batch,
+                                         seed=seed, eos_ids=eos_ids, batch_size=args.reply_batch,
                                          progress=not args.quiet)
             write_replies(path, prompt_set, replies)
             log(f"{name}: {len(prompt_set)} replies, {sum(map(len, replies)):,} tokens, "
@@ -572,28 +572,29 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
     stock = LLM(full_target, **kw)
     greedy_ref = [r.token_ids for r in stock.generate(prompts, SamplingParams(temperature=0, max_tokens=args.eval_max_tokens))]
     result = {"prompts": len(prompts), "max_tokens": args.eval_max_tokens, "dtype": "float32"}
-    def tokens_per_step(res) -> float:  # every emitted token over the verify steps of all replies
-        return sum(len(r.token_ids) for r in res) / sum(
-            len(r.token_ids) / r.tokens_per_step for r in res if r.tokens_per_step)
-
     def per_request(res) -> dict:  # in prompt order: what scripts/compare_drafters.py pairs
-        return {"tokens": [len(r.token_ids) for r in res],  # steps as tokens_per_step counts them
-                "steps": [round(len(r.token_ids) / r.tokens_per_step, 4) if r.tokens_per_step else 0.0
+        return {"tokens": [len(r.token_ids) for r in res],
+                "steps": [len(r.token_ids) / r.tokens_per_step if r.tokens_per_step else 0.0
                           for r in res]}
+
+    def tokens_per_step(per: dict) -> float:  # every emitted token over all replies' verify steps
+        return sum(per["tokens"]) / sum(per["steps"])
 
     for name, d in drafters.items():
         llm = LLM(full_target, draft=d, **kw)
         for label, sp in (("t1", SamplingParams(temperature=1.0, seed=0, max_tokens=args.eval_max_tokens)),
                           ("greedy", SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens))):
             res = llm.generate(prompts, [dataclasses.replace(sp, seed=i) for i in range(len(prompts))])
-            rec = {"tokens_per_step": tokens_per_step(res), "tokens": sum(len(r.token_ids) for r in res),
+            per = per_request(res)
+            rec = {"tokens_per_step": tokens_per_step(per), "tokens": sum(per["tokens"]),
                    "mean_per_request": sum(r.tokens_per_step for r in res) / len(res),
-                   "per_request": per_request(res)}
+                   "per_request": per}
             if label == "t1" and long_prompts:
                 res = llm.generate(long_prompts, [dataclasses.replace(sp, seed=i) for i in range(len(long_prompts))])
+                per = per_request(res)
                 rec["long"] = {"prompts": len(long_prompts), "min_tokens": args.eval_long_tokens,
                                "prompt_tokens_mean": sum(map(len, long_prompts)) / len(long_prompts),
-                               "tokens_per_step": tokens_per_step(res), "per_request": per_request(res)}
+                               "tokens_per_step": tokens_per_step(per), "per_request": per}
                 log(f"eval {name} t1, prompts of >= {args.eval_long_tokens} tokens: tokens per verify "
                     f"step {rec['long']['tokens_per_step']:.3f}")
             if label == "greedy":
