@@ -96,7 +96,13 @@ FORCE_SPLIT_K: int | None = 1
 # The MMA instruction every bf16 plan is built on (module docstring): "v2" mma.sync m16n8k16
 # (measured invariant on the H200), "v3" wgmma m64nNk16 in 64/128-row single-dot tiles. fp32
 # inputs take FMA dots in either family. Part of the numerics, like BLOCK_K.
-MMA_FAMILIES = ("v2", "v3")
+# "mixed": v2 up to MIXED_V2_MAX_ROWS rows (decode, small verify: where mma.sync's 16-row
+# fragments waste least), v3 above (wide verify). Invariant only because the two families give
+# the same bits: measured on the H200 (2026-12-02, scripts/gpu_linear_v3.sh: v2's 16-row plan
+# against v3's at 1..256 rows, all five 8B shapes, 0 of 20 outputs differed; the GPU invariance
+# test runs "mixed" across the switch).
+MMA_FAMILIES = ("v2", "v3", "mixed")
+MIXED_V2_MAX_ROWS = 32
 MMA_FAMILY: str = mma_family_from_env()
 V3_BLOCK_M = 64  # the v3 family's default row tile: one warpgroup, one m64 fragment
 
@@ -307,8 +313,9 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
     M / BLOCK_M times instead of M / 16. fp32 inputs keep 16 rows (FMA dots, kept small).
     The K splits are _split_k(N, K) whatever M (split_k overrides it, for tuning: another split
     gives other bits, the same for every M; it must cut ceil(K / 128) steps evenly).
-    `mma` (default MMA_FAMILY): "v2" as above, "v3" the wgmma family (_make_plan_v3); fp32
-    inputs take the v2 plan's FMA dots in either."""
+    `mma` (default MMA_FAMILY): "v2" as above, "v3" the wgmma family (_make_plan_v3), "mixed"
+    v2 up to MIXED_V2_MAX_ROWS rows and v3 above; fp32 inputs take the v2 plan's FMA dots in
+    every family."""
     if min(M, N, K) < 1:
         raise ValueError(f"linear: empty operand (M={M}, N={N}, K={K})")
     mma = mma or MMA_FAMILY
@@ -321,6 +328,8 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
         raise ValueError(f"split_k must divide the {-(-K // BLOCK_K)} steps of {BLOCK_K} in "
                          f"K = {K} evenly, got {split_k}")
     sms = num_sms or NUM_SMS_DEFAULT
+    if mma == "mixed":
+        mma = "v2" if M <= MIXED_V2_MAX_ROWS else "v3"
     if mma == "v3" and not ieee_dot:
         return _make_plan_v3(M, N, K, block_m=block_m, dot_m=dot_m, block_n=block_n, sms=sms,
                              num_warps=num_warps, num_stages=num_stages, split_k=split_k)

@@ -20,12 +20,13 @@ from test_kernels_gpu import _need_gpu  # noqa: F401  (module fixture: skip with
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("mma", ["v2", "v3"])
+@pytest.mark.parametrize("mma", ["v2", "v3", "mixed"])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
                                  (151936, 4096)], ids=["qkv", "o", "gate_up", "down", "lm_head"])
 def test_linear_triton_rows_invariant_and_correct(N, K, mma):
-    """Every row alone and among 8..256 rows: the same bits, in both MMA families (v2 mma.sync,
-    the default; v3 wgmma, opt-in until this passes on the H200)."""
+    """Every row alone and among 8..256 rows: the same bits, in each MMA family (v2 mma.sync,
+    the default; v3 wgmma; "mixed", whose 1..32-row plans are v2 and 128/256-row plans v3, so
+    this compares the two instructions' bits)."""
     from jspec.kernels.linear import linear_xla
     from jspec.kernels.linear_triton import linear_triton
     kx, kw = jax.random.split(jax.random.PRNGKey(N + K))

@@ -289,6 +289,13 @@ def test_v3_plans_are_one_wgmma_tile_whatever_the_rows(monkeypatch):
     assert make_plan(8, 4096, 4096).mma == "v2"  # the default family
     monkeypatch.setattr(lt, "MMA_FAMILY", "v3")
     assert make_plan(8, 4096, 4096).mma == "v3"
+    # "mixed": v2's plan up to MIXED_V2_MAX_ROWS rows, v3's above, tile for tile.
+    for M in PLAN_ROWS:
+        mixed = make_plan(M, 4096, 4096, mma="mixed")
+        fam = "v2" if M <= lt.MIXED_V2_MAX_ROWS else "v3"
+        assert mixed == make_plan(M, 4096, 4096, mma=fam), M
+    assert make_plan(lt.MIXED_V2_MAX_ROWS + 1, 4096, 4096, mma="mixed").mma == "v3"
+    assert make_plan(256, 4096, 4096, ieee_dot=True, mma="mixed").mma == "v2"
     from jspec.kernels.linear import MMA_ENV, mma_family_from_env
     monkeypatch.delenv(MMA_ENV, raising=False)
     assert mma_family_from_env() == "v2"
