@@ -105,6 +105,7 @@ MMA_FAMILIES = ("v2", "v3", "mixed")
 MIXED_V2_MAX_ROWS = 32
 MMA_FAMILY: str = mma_family_from_env()
 V3_BLOCK_M = 64  # the v3 family's default row tile: one warpgroup, one m64 fragment
+V3_WIDE_N = 16384  # v3 verify plans of at least this many columns take 8 warps
 
 
 def _linear_kernel(x_ptr, w_ptr, y_ptr,
@@ -277,22 +278,25 @@ def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stage
     """The wgmma family: one dot per program of block_m (64, or 128 with 8 warps) rows and 4 or
     8 warps, whatever M, so Triton lowers it to wgmma.m64nNk16. Column tiles as v2's: up to 16
     rows the programs-per-SM rule (decode at N = 4096: 16 columns, 256 programs), above it
-    _wide_tiles' measured columns (64, then 128), which keep the x rows a program re-reads from
-    L2 near its weight bytes (a 64-row tile over 16 columns would read 4x the weights in x).
-    Not yet tuned on the GPU: scripts/gpu_linear_v3.sh sweeps them."""
+    the tiles of the 128-row sweep (H200, 2026-12-02, scripts/gpu_linear_v3.sh,
+    docs/results/2026-12-02-8b-bench-mixed/linear_v3.json): 64 columns at N <= 4096 (o 35.8 ->
+    31.4 us, down 78.6 -> 64.1 us against 128 columns: twice the programs on 132 SMs), 128
+    columns above (qkv), and 8 warps at N >= V3_WIDE_N (gate_up 110.8 -> 98.9 us; lm_head
+    unchanged). 256 rows take the same tiles, not yet swept. None of these changes a bit."""
     block_m = block_m or V3_BLOCK_M
     if block_m not in (64, 128):
         raise ValueError(f"the v3 (wgmma) family takes 64- or 128-row tiles, got block_m={block_m}")
     if dot_m not in (None, block_m):
         raise ValueError(f"the v3 (wgmma) family computes a tile in one dot: dot_m must be "
                          f"block_m ({block_m}), got {dot_m}")
-    num_warps = num_warps or (4 if block_m == 64 else 8)
+    wide = M > MMA_M
+    if num_warps is None:  # 8 warps: the wide-N verify GEMM (gate_up) at 64-row tiles
+        num_warps = 8 if block_m == 128 or (wide and N >= V3_WIDE_N) else 4
     if num_warps not in (4, 8):
         raise ValueError(f"the v3 (wgmma) family needs 4 or 8 warps (whole warpgroups), got "
                          f"{num_warps}")
-    if block_n is None:
-        wide = _wide_tiles(M, N, sms, None)
-        block_n = wide[1] if wide else _column_tile(M, N, block_m, sms)
+    if block_n is None:  # verify: 64 columns at N <= 4096 (o, down), else 128
+        block_n = (64 if N <= 4096 else 128) if wide else _column_tile(M, N, block_m, sms)
     if not _pow2(block_n) or not 16 <= block_n <= 256:
         raise ValueError(f"block_n must be a power of two in [16, 256], got {block_n}")
     return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=block_m, block_n=block_n,
