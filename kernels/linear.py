@@ -21,9 +21,10 @@ MMA_ENV = "JSPEC_LINEAR_MMA"  # the "triton" kernel's MMA family (linear_triton.
 
 
 def mma_family_from_env() -> str:
-    """The batch-invariant kernel's MMA family this process asked for ("v2" unless set), read
-    without importing Triton (records name it; linear_triton validates it)."""
-    return os.environ.get(MMA_ENV, "v2")
+    """The batch-invariant kernel's MMA family this process asked for ("mixed" unless set: v2
+    mma.sync plans up to 32 rows, v3 wgmma above), read without importing Triton (records name
+    it; linear_triton validates it)."""
+    return os.environ.get(MMA_ENV, "mixed")
 
 
 def linear_xla(x, w):

@@ -36,18 +36,23 @@ that chain is the same whatever M is:
     env DISABLE_MMA_V3=1 also forbids it, process-wide). So DOT_M <= 32 is mma.sync with any
     warps, and a 64/128-row dot only with 1-2 warps; `make_plan` refuses anything else and
     tests/test_kernels_linear.py compiles every plan it can make for sm_90 and reads the PTX.
-  * The v3 family (opt-in: MMA_FAMILY = "v3", or JSPEC_LINEAR_MMA=v3 in the environment before
-    the first import) trades that instruction for wgmma: every plan, decode included, takes
+  * The v3 family (MMA_FAMILY = "v3", or JSPEC_LINEAR_MMA=v3 in the environment before the
+    first import) trades that instruction for wgmma: every plan, decode included, takes
     64-row (or 128-row) tiles in ONE dot with 4 (or 8) warps, which Triton 3.6 lowers on sm_90
     to wgmma.m64nNk16 (bf16 in, fp32 accumulate) in k order. Same argument, other instruction,
     other (equally fixed) bits: a row sits at row r % 64 of an m64 fragment whatever M is, and
     decode's padded rows are masked zeros, as a 1-row GEMM's 15 are in an m16 fragment. Why: the
     verify GEMM at 16-32 lanes (128-256 rows) is compute-heavy, and mma.sync at 128 rows ran at
     about 250 TFLOP/s on the H200 (2026-12-02 profile, docs/benchmarks.md), twice the time of
-    the same weights at 16 rows. Its invariance on the GPU is not yet measured
-    (tests/test_batch_invariance_gpu.py covers it when run with JSPEC_LINEAR_MMA=v3), so v2
-    stays the default. A process computes every row in one family: the stock and speculative
-    engines of a comparison share the module's choice.
+    the same weights at 16 rows. Measured invariant on the H200 (2026-12-02,
+    tests/test_batch_invariance_gpu.py), and more: v2 and v3 gave the SAME bits for every
+    shape and row count compared (scripts/bench_linear.py, 20 of 20). That is what the default
+    "mixed" family rests on: v2's plans up to MIXED_V2_MAX_ROWS rows (decode, where v3's 64-row
+    tile wastes most: a stock step at 1 lane 5.80 ms v2, 6.59 ms v3) and v3's above (a 16-lane
+    speculative iteration 13.49 ms v2, 11.48 ms mixed). Should another GPU or Triton break the
+    equality, the GPU test's "mixed" case fails and JSPEC_LINEAR_MMA=v2 (or v3) is one family
+    again. The module's choice holds for the whole process: the stock and speculative engines
+    of a comparison share it.
   * BLOCK_M, DOT_M, BLOCK_N, the warps, the stages and the grid depend on the shape: they decide
     which program and warp compute an element, and which other rows share its MMA, not the
     chain above. That last point assumes an MMA's output element does not depend on the other
@@ -93,19 +98,20 @@ MAX_SPLIT_K = 4
 # 1: every plan walks K unsplit (the walk measured on the H200); None: _split_k's rule. Split
 # walks stay opt-in until scripts/bench_linear.py --split-k has timed them on the GPU.
 FORCE_SPLIT_K: int | None = 1
-# The MMA instruction every bf16 plan is built on (module docstring): "v2" mma.sync m16n8k16
-# (measured invariant on the H200), "v3" wgmma m64nNk16 in 64/128-row single-dot tiles. fp32
-# inputs take FMA dots in either family. Part of the numerics, like BLOCK_K.
+# The MMA instruction every bf16 plan is built on (module docstring): "v2" mma.sync m16n8k16,
+# "v3" wgmma m64nNk16 in 64/128-row single-dot tiles (both measured invariant on the H200).
+# fp32 inputs take FMA dots in every family. Part of the numerics, like BLOCK_K.
 # "mixed": v2 up to MIXED_V2_MAX_ROWS rows (decode, small verify: where mma.sync's 16-row
 # fragments waste least), v3 above (wide verify). Invariant only because the two families give
 # the same bits: measured on the H200 (2026-12-02, scripts/gpu_linear_v3.sh: v2's 16-row plan
 # against v3's at 1..256 rows, all five 8B shapes, 0 of 20 outputs differed; the GPU invariance
-# test runs "mixed" across the switch).
+# test runs "mixed" across the switch). The default.
 MMA_FAMILIES = ("v2", "v3", "mixed")
 MIXED_V2_MAX_ROWS = 32
 MMA_FAMILY: str = mma_family_from_env()
 V3_BLOCK_M = 64  # the v3 family's default row tile: one warpgroup, one m64 fragment
 V3_WIDE_N = 16384  # v3 verify plans of at least this many columns take 8 warps
+V3_TUNED_MAX_ROWS = 128  # the most rows the v3 sweep's tiles were measured at
 
 
 def _linear_kernel(x_ptr, w_ptr, y_ptr,
@@ -282,21 +288,27 @@ def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stage
     docs/results/2026-12-02-8b-bench-mixed/linear_v3.json): 64 columns at N <= 4096 (o 35.8 ->
     31.4 us, down 78.6 -> 64.1 us against 128 columns: twice the programs on 132 SMs), 128
     columns above (qkv), and 8 warps at N >= V3_WIDE_N (gate_up 110.8 -> 98.9 us; lm_head
-    unchanged). 256 rows take the same tiles, not yet swept. None of these changes a bit."""
+    unchanged); measured again in the engine: a 16-lane speculative iteration 12.03 -> 11.48 ms.
+    Above V3_TUNED_MAX_ROWS the 128-column, 4-warp tile: at 256 rows it beat the 128-row choice
+    (down 86.0 vs 91.8 us, gate_up 146.9 vs 151.8 us; o the other way, 42.6 vs 39.9 us; not
+    swept there). None of these changes a bit."""
     block_m = block_m or V3_BLOCK_M
     if block_m not in (64, 128):
         raise ValueError(f"the v3 (wgmma) family takes 64- or 128-row tiles, got block_m={block_m}")
     if dot_m not in (None, block_m):
         raise ValueError(f"the v3 (wgmma) family computes a tile in one dot: dot_m must be "
                          f"block_m ({block_m}), got {dot_m}")
-    wide = M > MMA_M
+    tuned = MMA_M < M <= V3_TUNED_MAX_ROWS  # verify at 3..16 lanes: the 128-row sweep's tiles
     if num_warps is None:  # 8 warps: the wide-N verify GEMM (gate_up) at 64-row tiles
-        num_warps = 8 if block_m == 128 or (wide and N >= V3_WIDE_N) else 4
+        num_warps = 8 if block_m == 128 or (tuned and N >= V3_WIDE_N) else 4
     if num_warps not in (4, 8):
         raise ValueError(f"the v3 (wgmma) family needs 4 or 8 warps (whole warpgroups), got "
                          f"{num_warps}")
-    if block_n is None:  # verify: 64 columns at N <= 4096 (o, down), else 128
-        block_n = (64 if N <= 4096 else 128) if wide else _column_tile(M, N, block_m, sms)
+    if block_n is None:  # verify: 64 columns at N <= 4096 (o, down) up to 128 rows, else 128
+        if M <= MMA_M:
+            block_n = _column_tile(M, N, block_m, sms)
+        else:
+            block_n = 64 if tuned and N <= 4096 else 128
     if not _pow2(block_n) or not 16 <= block_n <= 256:
         raise ValueError(f"block_n must be a power of two in [16, 256], got {block_n}")
     return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=block_m, block_n=block_n,

@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     ap.add_argument("--split-k", default="auto", help="K splits, e.g. 1,2,3,4 (auto: the plan's "
                     "rule from (N, K); one that does not cut K's 128-steps evenly is skipped). "
                     "Another split than the plan's gives other bits, expectedly")
-    ap.add_argument("--mma", default="v2", choices=("v2", "v3", "mixed"),
+    ap.add_argument("--mma", default="mixed", choices=("v2", "v3", "mixed"),
                     help="the MMA family of the default plan and the sweep (linear_triton."
                     "MMA_FAMILY): v2 mma.sync, v3 wgmma (64/128-row single-dot tiles, 4/8 "
                     "warps; the sweep's other row tiles are refused). The 16-row fallback is "
