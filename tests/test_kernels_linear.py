@@ -6,7 +6,6 @@ the same checks run in tests/test_kernels_gpu.py."""
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import subprocess
 import sys
