@@ -50,6 +50,8 @@ def main():
     ap.add_argument("--skip-iteration", action="store_true", help="only the draft / verify split")
     ap.add_argument("--split-lanes", default="1", help="lane counts at which draft and verify "
                     "are also timed alone (at the first context)")
+    ap.add_argument("--num-draft", default="7", help="drafts verified per iteration, a list: one "
+                    "speculative engine per value (the verify width's cost curve)")
     args = ap.parse_args()
 
     import jax
@@ -192,82 +194,89 @@ def main():
         save()
         print(json.dumps(rec["stock"]))
         return
-    # Random weights have no frequencies: the draft vocabulary is the first N ids (its cost is
-    # what is timed here, not its acceptance).
-    eng = Engine(cfg, target, (), ecfg_for(8), drafter=drafter, draft_cfg=dcfg,
-                 draft_vocab_ids=range(cfg.vocab_size))
-    eng.caches = (random_caches(eng.caches[0], 2), random_caches(eng.caches[1], 3))
-    # From the pools the engine built (their dtypes), not from the model dtype.
-    rec["draft_cache_dtype"] = str(eng.draft_cache_shape.dtype)
-    rec["draft_cache_bytes_per_token"] = eng.draft_cache_shape.token_bytes
-    rec["target_cache_bytes_per_token"] = eng.cache_shape.token_bytes
-    extra_lanes, extra_ctx = 32, 4096  # the issue's target: <= 4 GiB at 32 lanes x 4096 tokens
-    extra_cache = extra_lanes * extra_ctx * rec["draft_cache_bytes_per_token"]
-    rec["speculation_extra_bytes_at"] = {
-        "lanes": extra_lanes, "context": extra_ctx,
-        "drafter_weight_bytes": rec["drafter_weight_bytes"], "draft_cache_bytes": extra_cache,
-        "bytes": rec["drafter_weight_bytes"] + extra_cache,
-        "GiB": (rec["drafter_weight_bytes"] + extra_cache) / 2**30}
-    x = rec["speculation_extra_bytes_at"]
-    print(f"speculation_extra_bytes_at {extra_lanes} lanes x {extra_ctx} tokens: {x['bytes']} "
-          f"({x['GiB']:.2f} GiB = drafter weights {x['drafter_weight_bytes'] / 2**30:.2f} GiB + "
-          f"drafter KV {extra_cache / 2**30:.2f} GiB at {rec['draft_cache_bytes_per_token']} "
-          f"bytes/token in {rec['draft_cache_dtype']})", flush=True)
-    save()
-    tgt, drf = eng.programs.models(eng.params)
-    # Caches donated and returned, as inside the iteration: otherwise every call copies the pool.
-    draft_only = jax.jit(lambda p, dc, st: eng.programs.draft(*eng.programs.models(p), dc, st,
-                                                              eng.programs.draft_vocab(p)),
-                         donate_argnums=(1,))
-    verify_only = jax.jit(lambda p, tc, st, d: eng.programs.verify(
-        eng.programs.models(p)[0], tc, st, d)[:2], donate_argnums=(1,))
-    for lanes in [int(v) for v in args.spec_lanes.split(",")]:
-        for ctx in contexts:
-            state = state_for(eng, lanes, ctx)
+    def spec_engine_rows(num_draft):
+        """Time the speculative iteration of an engine that verifies `num_draft` drafts."""
+        # Random weights have no frequencies: the draft vocabulary is the first N ids (its cost is
+        # what is timed here, not its acceptance).
+        eng = Engine(cfg, target, (), ecfg_for(8), drafter=drafter, draft_cfg=dcfg,
+                     num_draft=num_draft,
+                     draft_vocab_ids=range(cfg.vocab_size))
+        eng.caches = (random_caches(eng.caches[0], 2), random_caches(eng.caches[1], 3))
+        # From the pools the engine built (their dtypes), not from the model dtype.
+        rec["draft_cache_dtype"] = str(eng.draft_cache_shape.dtype)
+        rec["draft_cache_bytes_per_token"] = eng.draft_cache_shape.token_bytes
+        rec["target_cache_bytes_per_token"] = eng.cache_shape.token_bytes
+        extra_lanes, extra_ctx = 32, 4096  # the issue's target: <= 4 GiB at 32 lanes x 4096 tokens
+        extra_cache = extra_lanes * extra_ctx * rec["draft_cache_bytes_per_token"]
+        rec["speculation_extra_bytes_at"] = {
+            "lanes": extra_lanes, "context": extra_ctx,
+            "drafter_weight_bytes": rec["drafter_weight_bytes"], "draft_cache_bytes": extra_cache,
+            "bytes": rec["drafter_weight_bytes"] + extra_cache,
+            "GiB": (rec["drafter_weight_bytes"] + extra_cache) / 2**30}
+        x = rec["speculation_extra_bytes_at"]
+        print(f"speculation_extra_bytes_at {extra_lanes} lanes x {extra_ctx} tokens: {x['bytes']} "
+              f"({x['GiB']:.2f} GiB = drafter weights {x['drafter_weight_bytes'] / 2**30:.2f} GiB + "
+              f"drafter KV {extra_cache / 2**30:.2f} GiB at {rec['draft_cache_bytes_per_token']} "
+              f"bytes/token in {rec['draft_cache_dtype']})", flush=True)
+        save()
+        # Caches donated and returned, as inside the iteration: otherwise every call copies the pool.
+        draft_only = jax.jit(lambda p, dc, st: eng.programs.draft(*eng.programs.models(p), dc, st,
+                                                                  eng.programs.draft_vocab(p)),
+                             donate_argnums=(1,))
+        verify_only = jax.jit(lambda p, tc, st, d: eng.programs.verify(
+            eng.programs.models(p)[0], tc, st, d)[:2], donate_argnums=(1,))
+        for lanes in [int(v) for v in args.spec_lanes.split(",")]:
+            for ctx in contexts:
+                state = state_for(eng, lanes, ctx)
 
-            def call():
-                eng.caches, _, toks, _, _ = eng.programs.decode(eng.params, eng.caches, state,
-                                                                num_steps=args.steps)
-                return toks
+                def call():
+                    eng.caches, _, toks, _, _ = eng.programs.decode(eng.params, eng.caches, state,
+                                                                    num_steps=args.steps)
+                    return toks
 
-            t = time.perf_counter()
-            r = {"lanes": lanes, "context": ctx}
-            if not args.skip_iteration:
-                dispatch_s, returned_s = dispatch_times(call)
-                r["iteration_ms"] = dispatch_s / args.steps * 1e3
-                r["call_ms_per_iteration"] = returned_s / args.steps * 1e3
-            split_lanes = [int(v) for v in args.split_lanes.split(",") if v]
-            if lanes in split_lanes and ctx == contexts[0]:  # the split costs two more compiles
-                drafts = jnp.zeros((lanes, eng.num_draft), jnp.int32)
+                t = time.perf_counter()
+                r = {"lanes": lanes, "context": ctx, "num_draft": num_draft,
+                     "verify_rows": lanes * (num_draft + 1)}
+                if not args.skip_iteration:
+                    dispatch_s, returned_s = dispatch_times(call)
+                    r["iteration_ms"] = dispatch_s / args.steps * 1e3
+                    r["call_ms_per_iteration"] = returned_s / args.steps * 1e3
+                split_lanes = [int(v) for v in args.split_lanes.split(",") if v]
+                if lanes in split_lanes and ctx == contexts[0]:  # the split costs two more compiles
+                    drafts = jnp.zeros((lanes, eng.num_draft), jnp.int32)
 
-                def run_draft():
-                    dc, toks, _ = draft_only(eng.params, eng.caches[1], state)
-                    eng.caches = (eng.caches[0], dc)
-                    toks.block_until_ready()
+                    def run_draft():
+                        dc, toks, _ = draft_only(eng.params, eng.caches[1], state)
+                        eng.caches = (eng.caches[0], dc)
+                        toks.block_until_ready()
 
-                def run_verify():
-                    tc, logits = verify_only(eng.params, eng.caches[0], state, drafts)
-                    eng.caches = (tc, eng.caches[1])
-                    logits.block_until_ready()
+                    def run_verify():
+                        tc, logits = verify_only(eng.params, eng.caches[0], state, drafts)
+                        eng.caches = (tc, eng.caches[1])
+                        logits.block_until_ready()
 
-                r["draft_ms"] = median_time(run_draft) * 1e3
-                r["verify_ms"] = median_time(run_verify) * 1e3
-            stock = [s for s in rec["stock"] if s["lanes"] == lanes and s["context"] == ctx]
-            if stock and "iteration_ms" in r:
-                r["iteration_over_stock_step"] = r["iteration_ms"] / stock[0]["step_ms"]
-            r["bench_s"] = time.perf_counter() - t
-            rec["spec"].append(r)
-            print("spec", json.dumps(r), flush=True)
-            save()
+                    r["draft_ms"] = median_time(run_draft) * 1e3
+                    r["verify_ms"] = median_time(run_verify) * 1e3
+                stock = [s for s in rec["stock"] if s["lanes"] == lanes and s["context"] == ctx]
+                if stock and "iteration_ms" in r:
+                    r["iteration_over_stock_step"] = r["iteration_ms"] / stock[0]["step_ms"]
+                r["bench_s"] = time.perf_counter() - t
+                rec["spec"].append(r)
+                print("spec", json.dumps(r), flush=True)
+                save()
+        del eng
+
+    for num_draft in [int(v) for v in args.num_draft.split(",")]:
+        spec_engine_rows(num_draft)
     stats = jax.devices()[0].memory_stats() or {}
     rec["peak_device_bytes"] = stats.get("peak_bytes_in_use")
     rec["triton_route"] = triton_route()
     save()
-    print("| lanes | ctx | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| lanes | ctx | drafts | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rec["spec"] or [{}]:
         s = next((x for x in rec["stock"] if x["lanes"] == r.get("lanes") and x["context"] == r.get("context")), {})
-        print(f"| {r.get('lanes', s.get('lanes'))} | {r.get('context', s.get('context'))} | {s.get('step_ms', float('nan')):.2f} | "
+        print(f"| {r.get('lanes', s.get('lanes'))} | {r.get('context', s.get('context'))} | {r.get('num_draft', '-')} | {s.get('step_ms', float('nan')):.2f} | "
               f"{s.get('tokens_per_s', float('nan')):.0f} | {s.get('fraction_of_hbm_bound', float('nan')):.2f} | "
               f"{r.get('iteration_ms', float('nan')):.2f} | {r.get('draft_ms', float('nan')):.2f} | "
               f"{r.get('verify_ms', float('nan')):.2f} | {r.get('iteration_over_stock_step', float('nan')):.2f} |")

@@ -275,13 +275,37 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
     out = tmp_path / "bench"
     args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
                               "--out", str(out), "--quick", "--no-progress", "--workloads", "solo",
-                              "--sampling", "qwen", "--peer", "off"])
+                              "--sampling", "qwen", "--peer", "off",
+                              "--num-draft-tokens", "solo=3, busy=5"])
     assert args.func(args) == 0
     rec = json.loads((out / "bench.json").read_text())
     sampling = rec["config"]["sampling"]
     assert sampling["name"] == "qwen" and sampling["top_k"] > 0 and sampling["top_p"] < 1
     assert not rec["workloads"]["solo"]["recompiled"]
     assert rec["acceptance"]["solo"] >= 1.0 and rec["fidelity"]["mean"] <= 0.002
+    # The per-workload verify width reached solo's speculative engine, and its verify path.
+    solo = rec["workloads"]["solo"]
+    assert solo["engine"]["num_draft_tokens"] == 3 and len(solo["acceptance_per_position"]) == 3
+    assert rec["fidelity"]["path"]["candidate"] == "verify, blocks of 4"
+    assert 1.0 <= rec["acceptance"]["solo"] <= 4.0
+    key = json.loads((out / "parts" / "solo.json").read_text())["key"]
+    assert key["num_draft_tokens"] == "solo=3,busy=5"
+
+
+def test_num_draft_tokens_per_workload():
+    """--num-draft-tokens: K everywhere, or WORKLOAD=K (the rest verify the whole block);
+    anything else is refused with the item named."""
+    from jspec.bench.run import canonical_num_draft, parse_num_draft
+    assert parse_num_draft(None, 7) == {"solo": 7, "team": 7, "busy": 7}
+    assert parse_num_draft("4", 7) == {"solo": 4, "team": 4, "busy": 4}
+    assert parse_num_draft(5, 7) == {"solo": 5, "team": 5, "busy": 5}
+    assert parse_num_draft("team=3, busy=2", 7) == {"solo": 7, "team": 3, "busy": 2}
+    assert canonical_num_draft("team=3, busy=2") == "team=3,busy=2"
+    assert canonical_num_draft(None) is None
+    for bad, why in (("8", "1..7"), ("busy=0", "1..7"), ("crowd=3", "'crowd=3'"),
+                     ("team=x", "integer"), ("", "empty"), ("3,4", "'3'")):
+        with pytest.raises(ValueError, match=why):
+            parse_num_draft(bad, 7)
 
 
 def test_bench_quick_draft_vocabulary(bench_pair, tmp_path):

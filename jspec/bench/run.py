@@ -72,8 +72,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="t1: temperature 1 (headline); greedy; qwen: T 0.7, top-p 0.8, top-k 20")
     p.add_argument("--quick", action="store_true", help="a small CPU-scale run of the whole "
                    "pipeline (the gates are underpowered then)")
-    p.add_argument("--num-draft-tokens", type=int, help="tokens drafted per step (default: the "
-                   "drafter's block size)")
+    p.add_argument("--num-draft-tokens", metavar="K | solo=K,team=K,busy=K",
+                   help="drafts verified per step, for every workload or per workload (one not "
+                   "named verifies the drafter's whole block, the default). Fewer verify rows "
+                   "cost less where the verify GEMM is compute-bound (busy's 256 rows); lossless "
+                   "at any K")
     p.add_argument("--peer", default="auto", choices=["auto", "on", "off"],
                    help="transformers peer with solo: auto = on unless --quick")
     p.add_argument("--page-size", type=int, default=16)
@@ -148,6 +151,43 @@ def cmd_bench(args) -> int:
     print(summary_text(record))
     print(f"wrote {bench.out / 'bench.json'}, bench.md, bench.png")
     return 0
+
+
+def parse_num_draft(value: str | int | None, block_size: int) -> dict[str, int]:
+    """--num-draft-tokens -> drafts verified per step for each workload: None = the whole block
+    everywhere; "K" = K everywhere; "solo=7,busy=3" = per workload (the rest: the whole block)."""
+    out = {name: block_size for name in W.WORKLOAD_ORDER}
+    if value is None:
+        return out
+    text = str(value).strip()
+    items = [w.strip() for w in text.split(",") if w.strip()]
+    if not items:
+        raise ValueError("--num-draft-tokens: empty")
+    if len(items) == 1 and "=" not in items[0]:
+        items = [f"{name}={items[0]}" for name in W.WORKLOAD_ORDER]
+    for item in items:
+        name, sep, k = item.partition("=")
+        name = name.strip()
+        if not sep or name not in out:
+            raise ValueError(f"--num-draft-tokens: {item!r} is neither K nor WORKLOAD=K with "
+                             f"WORKLOAD one of {', '.join(W.WORKLOAD_ORDER)}")
+        try:
+            k = int(k)
+        except ValueError:
+            raise ValueError(f"--num-draft-tokens: {item!r}: K must be an integer") from None
+        if not 1 <= k <= block_size:
+            raise ValueError(f"--num-draft-tokens: {item!r}: K must be in 1..{block_size} (the "
+                             f"drafter's block size)")
+        out[name] = k
+    return out
+
+
+def canonical_num_draft(value: str | int | None) -> str | None:
+    """The run key's form of --num-draft-tokens: stages typed the same way merge, whatever the
+    spacing (None: the drafter's block everywhere)."""
+    if value is None:
+        return None
+    return ",".join(w.strip().replace(" ", "") for w in str(value).split(",") if w.strip())
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -237,7 +277,8 @@ class Bench:
         commit, dirty = git_state()
         self.key = {"model": str(Path(args.model).resolve()), "draft": str(Path(args.draft).resolve()),
                     "sampling": args.sampling, "quick": self.quick,
-                    "num_draft_tokens": args.num_draft_tokens, "page_size": args.page_size,
+                    "num_draft_tokens": canonical_num_draft(args.num_draft_tokens),
+                    "page_size": args.page_size,
                     "prefill_chunk": args.prefill_chunk, "attn_impl": args.attn_impl,
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
                     "dtype": args.dtype, "commit": commit,
@@ -363,11 +404,9 @@ class Bench:
         self.dcfg, self.drafter = load_drafter(self.args.draft, self.cfg, self.model,
                                                progress=self.progress)
         self.load_s = time.time() - t
-        k = self.args.num_draft_tokens
-        self.num_draft = self.dcfg.block_size if k is None else k
-        if not 1 <= self.num_draft <= self.dcfg.block_size:
-            raise ValueError(f"--num-draft-tokens must be in 1..{self.dcfg.block_size}")
-        self.step_width = max(self.num_draft + 1, self.dcfg.block_size)
+        self.num_draft = parse_num_draft(self.args.num_draft_tokens, self.dcfg.block_size)
+        # Pages reserved per step: the widest verify of any workload (or the draft block).
+        self.step_width = max(max(self.num_draft.values()) + 1, self.dcfg.block_size)
         self.draft_vocab_ids = None
         if getattr(self.args, "draft_vocab", None) is not None:
             from jspec.draft_vocab import choose_ids, read_ranked_ids
@@ -408,7 +447,7 @@ class Bench:
         """Prompts, fixed texts and the two engine configurations of one workload."""
         g = self.gate_spec
         prompts = W.workload_prompts(spec, self.tokenizer, self.texts)
-        width = self.num_draft + 1
+        width = self.num_draft[spec.name] + 1
         fixed_len = -(-g.fixed_tokens // width) * width
         fixed = W.fixed_texts(self.tokenizer, self.texts, g.fixed_texts, fixed_len) \
             if spec.name == "solo" else []
@@ -443,7 +482,8 @@ class Bench:
         spec, prompts, fixed = plan["spec"], plan["prompts"], plan["fixed"]
         ecfg_stock, ecfg_spec = plan["ecfg"]
         eos = self.tokenizer.eos_ids
-        reuse = self._pair is not None and self._pair[0] == (ecfg_stock, ecfg_spec)
+        num_draft = self.num_draft[spec.name]
+        reuse = self._pair is not None and self._pair[0] == (ecfg_stock, ecfg_spec, num_draft)
 
         def committed(engine):
             # Fresh pools come out uncommitted; the programs return committed ones, so the first
@@ -462,10 +502,10 @@ class Bench:
         stock_pool = tree_bytes(stock.caches)
         spec_eng = self._pair[2] if reuse else committed(Engine(
             self.cfg, self.model, eos, ecfg_spec, drafter=self.drafter, draft_cfg=self.dcfg,
-            num_draft=self.num_draft, draft_vocab_ids=self.draft_vocab_ids))
+            num_draft=num_draft, draft_vocab_ids=self.draft_vocab_ids))
         warm_spec = self.warm(spec_eng, spec, prompts, "spec")
         mem2 = device_memory()
-        self._pair = ((ecfg_stock, ecfg_spec), stock, spec_eng)
+        self._pair = ((ecfg_stock, ecfg_spec, num_draft), stock, spec_eng)
         engines = {"stock": stock, "spec": spec_eng}
 
         def counts():
@@ -507,7 +547,7 @@ class Bench:
 
         step_tokens = [n for r in passes if r.engine == "spec" for req in r.step_tokens for n in req]
         per_pos = [sum(t - 1 >= k for t in step_tokens) / len(step_tokens) if step_tokens else None
-                   for k in range(1, self.num_draft + 1)]
+                   for k in range(1, num_draft + 1)]
         replies, items = [], []
         for r in passes:
             for i, (prompt, out) in enumerate(zip(prompts, r.outputs)):
@@ -524,7 +564,7 @@ class Bench:
                        "page_size": ecfg_stock.page_size, "num_pages": stock.allocator.num_pages,
                        "prefill_chunk": ecfg_stock.prefill_chunk, "attn_impl": ecfg_stock.attn_impl,
                        "decode_steps": {"stock": ecfg_stock.decode_steps, "spec": ecfg_spec.decode_steps},
-                       "num_draft_tokens": self.num_draft, "step_width": spec_eng.ecfg.step_width},
+                       "num_draft_tokens": num_draft, "step_width": spec_eng.ecfg.step_width},
             "prompt_tokens": {"mean": sum(map(len, prompts)) / len(prompts),
                               "min": min(map(len, prompts)), "max": max(map(len, prompts))},
             "passes": [{"engine": r.engine, "index": r.index, "wall_s": r.wall_s, "tokens": r.tokens,
