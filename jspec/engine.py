@@ -124,6 +124,11 @@ class EngineConfig:
     # and sampling steps shrink; the output law is unchanged, acceptance may fall. None: every
     # id. Needs the ranking (Engine's draft_vocab_ids); a stock engine ignores it.
     draft_vocab: int | None = None
+    # DSpark's prefix rule (jspec/spec_steps.py): each lane verifies the drafts whose cumulative
+    # confidence c_1 ... c_k is at least this, and the target runs over the smallest static row
+    # count that holds the lanes' rows. Lossless at any value; 0 verifies every draft (the
+    # programs of before). Needs a drafter with a confidence head; a stock engine ignores it.
+    verify_threshold: float = 0.0
 
     # Positions a step may write past the committed length (verify writes K+1); set by Engine.
     step_width: int = 1
@@ -135,6 +140,9 @@ class EngineConfig:
         if self.draft_kv_dtype not in DRAFT_KV_DTYPES:
             raise ValueError(f"draft_kv_dtype must be one of {DRAFT_KV_DTYPES} (None: the model "
                              f"dtype), got {self.draft_kv_dtype!r}")
+        if not 0.0 <= self.verify_threshold < 1.0:
+            raise ValueError(f"verify_threshold must be in [0, 1) (0: verify every draft), got "
+                             f"{self.verify_threshold}")
 
     @property
     def pages_per_lane(self) -> int:
@@ -208,7 +216,8 @@ class Engine:
             self.caches = (init_kv_caches(self.cache_shape), init_kv_caches(self.draft_cache_shape))
             self.programs = shared_programs(SpecPrograms, graphdef, draft_graphdef, draft_cfg,
                                             engine_cfg.page_size, self.eos_ids,
-                                            attn_impl, self.num_draft, engine_cfg.device_loop)
+                                            attn_impl, self.num_draft, engine_cfg.device_loop,
+                                            float(engine_cfg.verify_threshold))
         self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
         self._admissions = itertools.count(1)
         self.stats = collections.Counter()

@@ -14,6 +14,16 @@ anchor token (committed, not yet seen by the target) sits at s:
   commit  the drafter's context K/V for s..s+K from the taps (rows past s+a are rewritten next
           round before anything reads them); the new length is s+a+1 (rejection only rewinds
           the length; nothing is copied); EOS / max-tokens truncation on device.
+
+Confidence-gated verify (verify_threshold > 0, DSpark's prefix rule): the drafter's confidence
+head estimates c_k, the chance that x_k survives given x_1..x_{k-1} did; a lane proposes the
+drafts whose cumulative a_k = c_1 ... c_k is at least the threshold (a prefix, as a_k never
+rises). c_k reads the block's hidden state and x_{k-1}, never x_k, so whether x_k is verified
+does not depend on x_k: the number of drafts is a stopping time of the lane's own draws and the
+rejection sampler stays exact. Nothing in the rule looks at another lane, so a request's tokens
+still depend only on its own seed. The lanes' rows [anchor, x_1..x_{n_b}] are packed one after
+another and the target runs over the smallest of a few static row counts that holds them all
+(`verify_buckets`; lax.switch picks the compiled branch), so rows nobody proposes cost nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +47,42 @@ from jspec.steps import (DecodeState, Programs, paged_attention, prefill_layout,
 Array = jax.Array
 
 
+# Rows per lane of the static verify sizes a confidence-gated iteration picks from (times the
+# lanes; the last is always the whole block, K + 1). Each is one more compiled branch.
+VERIFY_BUCKET_WIDTHS = (2, 3, 4, 6)
+
+
+def check_verify_threshold(threshold: float, dcfg: DSparkConfig) -> None:
+    """0 <= threshold < 1, and a drafter with a confidence head when it is used."""
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"verify_threshold must be in [0, 1) (0: verify every draft), got "
+                         f"{threshold}")
+    if threshold > 0 and not dcfg.confidence_head:
+        raise ValueError("verify_threshold needs a drafter with a confidence head (DSpark); "
+                         "this drafter has none (DFlash)")
+
+
+def verify_buckets(num_lanes: int, width: int) -> tuple[int, ...]:
+    """Static row counts of the confidence-gated verify, ascending; the last is every lane's
+    whole block (num_lanes * width), which holds any choice of drafts."""
+    sizes = {num_lanes * w for w in VERIFY_BUCKET_WIDTHS if w < width}
+    return tuple(sorted(sizes | {num_lanes * width}))
+
+
+def proposed_drafts(confidence_logits_bk: Array, threshold: float, num_draft: int) -> Array:
+    """Drafts each lane proposes [B]: the longest prefix of x_1..x_K (K = num_draft) whose
+    cumulative confidence c_1 ... c_k stays >= threshold. c_k must not depend on x_k."""
+    c_bk = jax.nn.sigmoid(confidence_logits_bk[:, :num_draft].astype(jnp.float32))
+    survival_bk = jnp.cumprod(c_bk, axis=1)  # non-increasing: the kept set is a prefix
+    return jnp.sum(survival_bk >= threshold, axis=1).astype(jnp.int32)
+
+
+def confidence_prev_tokens(anchor_b: Array, draft_bk: Array) -> Array:
+    """The token before each draft [B, K]: the anchor, then x_1..x_{K-1}. c_k reads x_{k-1}
+    from here, never x_k: that is what keeps the confidence-gated verify lossless."""
+    return jnp.concatenate([anchor_b[:, None], draft_bk[:, :-1]], 1)
+
+
 def _lane_grid(num_lanes: int, width: int):
     """lanes [B*W] and offsets [B*W] of a flattened [B, W] block."""
     lanes = jnp.repeat(jnp.arange(num_lanes, dtype=jnp.int32), width)
@@ -47,7 +93,7 @@ def _lane_grid(num_lanes: int, width: int):
 class SpecPrograms(Programs):
     def __init__(self, target_graphdef, draft_graphdef, dcfg: DSparkConfig, page_size: int,
                  eos_ids: tuple[int, ...], attn_impl: str = "auto", num_draft: int | None = None,
-                 device_loop: bool = False):
+                 device_loop: bool = False, verify_threshold: float = 0.0):
         self.tg, self.dg, self.dcfg = target_graphdef, draft_graphdef, dcfg
         # The drafter always runs its whole block (that is what it was trained on); only the
         # first `num_draft` tokens are proposed and verified.
@@ -55,6 +101,8 @@ class SpecPrograms(Programs):
         if not 1 <= self.k <= dcfg.block_size:
             raise ValueError(f"num_draft_tokens must be in 1..{dcfg.block_size} (the drafter's "
                              f"block size), got {self.k}")
+        check_verify_threshold(verify_threshold, dcfg)
+        self.verify_threshold = float(verify_threshold)
         super().__init__(page_size, eos_ids, attn_impl, device_loop)
 
     def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
@@ -87,8 +135,9 @@ class SpecPrograms(Programs):
 
     def draft(self, target: Qwen3, drafter: DSparkDrafter, dcaches, state: DecodeState,
               vocab: DraftVocab | None = None):
-        """Returns (dcaches, draft tokens [B,K], q log-probs [B,K,V] f32). With a draft
-        `vocab`, the drafter's law lives on its ids (q is -inf elsewhere)."""
+        """Returns (dcaches, draft tokens [B,K], q log-probs [B,K,V] f32, confidence logits
+        [B,K] f32: z_k from the block's hidden state and x_{k-1}). With a draft `vocab`, the
+        drafter's law lives on its ids (q is -inf elsewhere)."""
         K, B = self.dcfg.block_size, state.tokens.shape[0]
         lanes_t, offs_t = _lane_grid(B, K)
         s_b = state.lengths
@@ -120,7 +169,10 @@ class SpecPrograms(Programs):
             tokens.append(x_b)
             q_logprobs.append(q_bv)
             prev = x_b
-        return dcaches, jnp.stack(tokens, 1), jnp.stack(q_logprobs, 1)
+        draft_bk = jnp.stack(tokens, 1)
+        confidence_bk = drafter.confidence_logits(hidden_bkd[:, :self.k],
+                                                  confidence_prev_tokens(state.tokens, draft_bk))
+        return dcaches, draft_bk, jnp.stack(q_logprobs, 1), confidence_bk
 
     def verify(self, target: Qwen3, tcaches, state: DecodeState, draft_bk):
         """Target over [anchor, drafts] at s..s+K. Returns (tcaches, logits [B,K+1,V], taps)."""
@@ -140,16 +192,64 @@ class SpecPrograms(Programs):
         logits = target.logits(hidden_1td[0]).reshape(B, W, -1)
         return tcaches, logits, taps, positions_t, slots_t
 
+    def packed_verify(self, target: Qwen3, drafter: DSparkDrafter, tcaches, dcaches,
+                      state: DecodeState, draft_bk, num_draft_b, rows: int):
+        """The target over each lane's [anchor, x_1..x_{n_b}] (n_b = num_draft_b), the lanes'
+        rows packed one after another into `rows` (>= their total; the rest are padding that
+        writes the null page and attends nothing), and the drafter's context K/V of those rows.
+        Returns (tcaches, dcaches, logits [B, K+1, V]): row j of lane b is its packed row
+        min(j, n_b), so rows past n_b repeat the last verified one (the sampler reads none)."""
+        W, B = self.k + 1, state.tokens.shape[0]
+        rows_b = num_draft_b + 1
+        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(rows_b)]).astype(jnp.int32)
+        i_t = jnp.arange(rows, dtype=jnp.int32)
+        lanes_t = jnp.clip(jnp.searchsorted(cu, i_t, side="right") - 1, 0, B - 1).astype(jnp.int32)
+        valid_t = i_t < cu[B]
+        offs_t = jnp.where(valid_t, i_t - cu[lanes_t], 0)
+        tokens_bw = jnp.concatenate([state.tokens[:, None], draft_bk], 1)
+        tokens_t = tokens_bw[lanes_t, offs_t]
+        positions_t = state.lengths[lanes_t] + offs_t
+        slots_t = slots_for(state.page_table, lanes_t, positions_t, self.page_size)
+        live_t = valid_t & state.active[lanes_t]
+        slots_t = jnp.where(live_t, slots_t, NULL_PAGE * self.page_size + i_t % self.page_size)
+        kv_lens = jnp.where(state.active, state.lengths + rows_b, rows_b)
+        attend = paged_attention(slots_t, kv_lens, state.page_table, cu, max_q_len=W,
+                                 impl=self.attn_impl)
+        hidden_1td, taps, tcaches = target(tokens_t[None], positions_t[None], attention=attend,
+                                           caches=tcaches, tap_layers=self.dcfg.target_layer_ids)
+        logits_tv = target.logits(hidden_1td[0])
+        rows_bw = cu[:B, None] + jnp.minimum(jnp.arange(W, dtype=jnp.int32)[None], num_draft_b[:, None])
+        dcaches = self._write_context(drafter, dcaches, taps, positions_t[None], slots_t)
+        return tcaches, dcaches, logits_tv[rows_bw]
+
+    def _verify_gated(self, target, drafter, tcaches, dcaches, state, draft_bk, num_draft_b):
+        """packed_verify at the smallest static row count that holds every lane's rows."""
+        B = state.tokens.shape[0]
+        buckets = verify_buckets(B, self.k + 1)
+        total = jnp.sum(num_draft_b + 1)
+        index = jnp.sum(jnp.asarray(buckets[:-1], jnp.int32) < total)
+        branches = [lambda ops, m=m: self.packed_verify(target, drafter, *ops, rows=m)
+                    for m in buckets]
+        return jax.lax.switch(index, branches, (tcaches, dcaches, state, draft_bk, num_draft_b))
+
     def _iteration(self, params, caches, state: DecodeState):
         target, drafter = self.models(params)
         tcaches, dcaches = caches
         K, B = self.k, state.tokens.shape[0]
-        dcaches, draft_bk, q_bkv = self.draft(target, drafter, dcaches, state,
-                                              self.draft_vocab(params))
-        tcaches, logits_bwv, taps, positions_t, slots_t = self.verify(target, tcaches, state, draft_bk)
-        result = rejection_sample(logits_bwv, q_bkv, draft_bk, jnp.full((B,), K, jnp.int32),
-                                  state.sampling, state.lengths + 1)
-        dcaches = self._write_context(drafter, dcaches, taps, positions_t[None], slots_t)
+        dcaches, draft_bk, q_bkv, confidence_bk = self.draft(target, drafter, dcaches, state,
+                                                             self.draft_vocab(params))
+        if self.verify_threshold > 0:
+            num_draft_b = jnp.where(state.active, proposed_drafts(
+                confidence_bk, self.verify_threshold, K), 0)
+            tcaches, dcaches, logits_bwv = self._verify_gated(target, drafter, tcaches, dcaches,
+                                                              state, draft_bk, num_draft_b)
+        else:
+            num_draft_b = jnp.full((B,), K, jnp.int32)
+            tcaches, logits_bwv, taps, positions_t, slots_t = self.verify(target, tcaches, state,
+                                                                          draft_bk)
+            dcaches = self._write_context(drafter, dcaches, taps, positions_t[None], slots_t)
+        result = rejection_sample(logits_bwv, q_bkv, draft_bk, num_draft_b, state.sampling,
+                                  state.lengths + 1)
 
         # Commit: truncate after the first EOS and at the lane's remaining budget.
         W = K + 1

@@ -246,7 +246,7 @@ def main():
                     drafts = jnp.zeros((lanes, eng.num_draft), jnp.int32)
 
                     def run_draft():
-                        dc, toks, _ = draft_only(eng.params, eng.caches[1], state)
+                        dc, toks, _, _ = draft_only(eng.params, eng.caches[1], state)
                         eng.caches = (eng.caches[0], dc)
                         toks.block_until_ready()
 

@@ -69,8 +69,8 @@ def test_drafts_come_from_the_draft_vocabulary():
     ids = set(choose_ids(ranked, 40, CFG.vocab_size).tolist())
     state = eng._carry[1]
     target, drafter = eng.programs.models(eng.params)
-    _, tokens, q = eng.programs.draft(target, drafter, eng.caches[1], state,
-                                      eng.programs.draft_vocab(eng.params))
+    _, tokens, q, _ = eng.programs.draft(target, drafter, eng.caches[1], state,
+                                         eng.programs.draft_vocab(eng.params))
     assert set(np.asarray(tokens).ravel().tolist()) <= ids
     q = np.asarray(q)
     outside = np.setdiff1d(np.arange(CFG.vocab_size), sorted(ids))
