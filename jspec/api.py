@@ -66,7 +66,8 @@ class LLM:
                  max_context: int = 4096, page_size: int = 16, num_pages: int | None = None,
                  decode_steps: int | None = None, prefill_chunk: int = 256, attn_impl: str = "auto",
                  batch_invariant: bool = False, draft_kv_dtype: str | None = None,
-                 draft_vocab: int | None = None, progress: bool = False):
+                 draft_vocab: int | None = None, verify_threshold: float = 0.0,
+                 progress: bool = False):
         """`draft`: a DSpark / DFlash drafter directory for `model`; speculative decoding then
         proposes `num_draft_tokens` (default: the drafter's block size) tokens per step.
         `batch_invariant` (GPU): the target's matmuls and attention through batch-invariant
@@ -75,7 +76,10 @@ class LLM:
         `draft_kv_dtype`: the drafter's KV pool dtype, None (the model's) or "float8_e4m3fn"
         (half the pool in bf16; changes acceptance only, never the output distribution).
         `draft_vocab`: the drafter proposes only the N most frequent token ids, ranked in the
-        drafter directory's draft_vocab.json (jspec/draft_vocab.py; the same: acceptance only)."""
+        drafter directory's draft_vocab.json (jspec/draft_vocab.py; the same: acceptance only).
+        `verify_threshold`: DSpark's prefix rule; each step verifies only the drafts whose
+        cumulative confidence stays >= it, so a busy engine verifies fewer rows (lossless; 0,
+        the default, verifies every draft; needs a drafter with a confidence head)."""
         from jspec.loading import load_drafter, load_model
         from jspec.tokenizer import Tokenizer
 
@@ -93,6 +97,8 @@ class LLM:
             raise ValueError("draft_kv_dtype needs a draft model (it is the drafter's KV pool)")
         elif draft_vocab is not None:
             raise ValueError("draft_vocab needs a draft model")
+        elif verify_threshold:
+            raise ValueError("verify_threshold needs a draft model")
         ranked = None
         if draft_vocab is not None:
             from jspec.draft_vocab import read_ranked_ids
@@ -108,7 +114,7 @@ class LLM:
             max_lanes=max_lanes, page_size=page_size, max_context=max_context, num_pages=num_pages,
             prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl,
             batch_invariant=batch_invariant, draft_kv_dtype=draft_kv_dtype,
-            draft_vocab=draft_vocab),
+            draft_vocab=draft_vocab, verify_threshold=verify_threshold),
             drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens,
             draft_vocab_ids=ranked)
         self._seeds = np.random.default_rng()

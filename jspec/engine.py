@@ -61,6 +61,8 @@ class Request:
     num_preemptions: int = 0
     # Speculative statistics: tokens committed by each verify step of this request.
     step_tokens: list[int] = dataclasses.field(default_factory=list)
+    # Drafts each of those verify steps verified (the confidence gate may verify fewer than K).
+    step_drafts: list[int] = dataclasses.field(default_factory=list)
     # Scheduling state.
     lane: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
@@ -472,7 +474,8 @@ class Engine:
         self.stats["lookahead_dispatches"] += int(ahead)
         self.stats["time_prepare_s"] += t1 - t0
         self.stats["time_call_s"] += t2 - t1
-        return _Dispatch(lanes, key, out_tokens, out_logprobs, extra[0] if extra else None)
+        return _Dispatch(lanes, key, out_tokens, out_logprobs, extra[0] if extra else None,
+                         extra[1] if len(extra) > 1 else None)
 
     def _collect(self, dispatch: "_Dispatch", on_update) -> None:
         """Reads a dispatch's tokens and does the host's bookkeeping for its lanes. A lane whose
@@ -481,6 +484,7 @@ class Engine:
         t0 = time.perf_counter()
         out_tokens, out_logprobs = np.asarray(dispatch.tokens), np.asarray(dispatch.logprobs)
         step_tokens = np.asarray(dispatch.step_tokens) if dispatch.step_tokens is not None else None
+        step_drafts = np.asarray(dispatch.step_drafts) if dispatch.step_drafts is not None else None
         t1 = time.perf_counter()
         for b, req in enumerate(dispatch.lanes):
             if req is None or req.finished:
@@ -489,6 +493,8 @@ class Engine:
             self._emit(req, out_tokens[b, emitted].tolist(), out_logprobs[b, emitted].tolist())
             if step_tokens is not None:
                 req.step_tokens += [int(n) for n in step_tokens[b] if n > 0]
+            if step_drafts is not None:
+                req.step_drafts += [int(d) for n, d in zip(step_tokens[b], step_drafts[b]) if n > 0]
             self.stats["decode_tokens"] += int(emitted.sum())
             if on_update:
                 on_update(req)
@@ -507,3 +513,4 @@ class _Dispatch:
     tokens: jax.Array
     logprobs: jax.Array
     step_tokens: jax.Array | None
+    step_drafts: jax.Array | None = None

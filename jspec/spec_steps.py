@@ -272,25 +272,27 @@ class SpecPrograms(Programs):
             remaining=remaining,
             active=state.active & (first_eos >= n_keep) & (remaining > 0),
         )
-        # Tokens committed by this verify step (0: the lane was idle).
-        return (tcaches, dcaches), state, out_tokens, jnp.where(kept, out_logprobs, 0.0), n_keep
+        # Tokens committed by this verify step (0: the lane was idle), and the drafts it verified.
+        return ((tcaches, dcaches), state, out_tokens, jnp.where(kept, out_logprobs, 0.0), n_keep,
+                jnp.where(n_keep > 0, num_draft_b, 0))
 
     def _decode(self, params, caches, state: DecodeState, *, num_steps: int):
         """num_steps speculative iterations. Returns (caches, state, tokens [B, n*(K+1)] with -1
-        gaps, logprobs [B, n*(K+1)], emitted-per-iteration [B, n] (0 = idle))."""
+        gaps, logprobs [B, n*(K+1)], emitted-per-iteration [B, n] (0 = idle), drafts verified
+        per iteration [B, n] (K unless the confidence gate verified fewer; 0 = idle))."""
         B, W = state.tokens.shape[0], self.k + 1
 
         def body(i, carry):
-            caches, state, toks, lps, steps = carry
-            caches, state, t_bw, lp_bw, n_b = self._iteration(params, caches, state)
+            caches, state, toks, lps, steps, drafts = carry
+            caches, state, t_bw, lp_bw, n_b, d_b = self._iteration(params, caches, state)
             toks = jax.lax.dynamic_update_slice(toks, t_bw, (0, i * W))
             lps = jax.lax.dynamic_update_slice(lps, lp_bw, (0, i * W))
-            return caches, state, toks, lps, steps.at[:, i].set(n_b)
+            return caches, state, toks, lps, steps.at[:, i].set(n_b), drafts.at[:, i].set(d_b)
 
         init = (caches, state, jnp.full((B, num_steps * W), -1, jnp.int32),
-                jnp.zeros((B, num_steps * W), jnp.float32), jnp.zeros((B, num_steps), jnp.int32))
-        caches, state, toks, lps, steps = self._step_loop(num_steps, body, init, state_index=1)
-        return caches, state, toks, lps, steps
+                jnp.zeros((B, num_steps * W), jnp.float32), jnp.zeros((B, num_steps), jnp.int32),
+                jnp.zeros((B, num_steps), jnp.int32))
+        return self._step_loop(num_steps, body, init, state_index=1)
 
     def _teacher_forced(self, params, caches, state: DecodeState, forced_bn: Array):
         """Score forced tokens through the verify path, K+1 per block: block j feeds

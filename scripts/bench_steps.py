@@ -230,7 +230,7 @@ def main():
                 state = state_for(eng, lanes, ctx)
 
                 def call():
-                    eng.caches, _, toks, _, _ = eng.programs.decode(eng.params, eng.caches, state,
+                    eng.caches, _, toks, *_ = eng.programs.decode(eng.params, eng.caches, state,
                                                                     num_steps=args.steps)
                     return toks
 

@@ -276,7 +276,8 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
     args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
                               "--out", str(out), "--quick", "--no-progress", "--workloads", "solo",
                               "--sampling", "qwen", "--peer", "off",
-                              "--num-draft-tokens", "solo=3, busy=5"])
+                              "--num-draft-tokens", "solo=3, busy=5",
+                              "--verify-threshold", "solo=0.2"])
     assert args.func(args) == 0
     rec = json.loads((out / "bench.json").read_text())
     sampling = rec["config"]["sampling"]
@@ -290,11 +291,15 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
     assert 1.0 <= rec["acceptance"]["solo"] <= 4.0
     key = json.loads((out / "parts" / "solo.json").read_text())["key"]
     assert key["num_draft_tokens"] == "solo=3,busy=5"
+    # DSpark's prefix rule on solo: the record says how many drafts a verify step verified.
+    assert key["verify_threshold"] == "solo=0.2" and solo["verify_threshold"] == 0.2
+    assert 0.0 <= solo["drafts_per_step"] <= 3.0
+    assert "drafts / step" in (out / "bench.md").read_text()
 
 
 def test_num_draft_tokens_per_workload():
     """--num-draft-tokens: K everywhere, or WORKLOAD=K (the rest verify the whole block);
-    anything else is refused with the item named."""
+    --verify-threshold likewise with T in [0, 1); anything else is refused with the item named."""
     from jspec.bench.run import canonical_num_draft, parse_num_draft
     assert parse_num_draft(None, 7) == {"solo": 7, "team": 7, "busy": 7}
     assert parse_num_draft("4", 7) == {"solo": 4, "team": 4, "busy": 4}
@@ -306,6 +311,13 @@ def test_num_draft_tokens_per_workload():
                      ("team=x", "integer"), ("", "empty"), ("3,4", "'3'")):
         with pytest.raises(ValueError, match=why):
             parse_num_draft(bad, 7)
+    from jspec.bench.run import parse_per_workload
+    threshold = lambda v: parse_per_workload(v, "--verify-threshold", float, 0.0, (0.0, 1.0))
+    assert threshold("team=0.1,busy=0.25") == {"solo": 0.0, "team": 0.1, "busy": 0.25}
+    assert threshold("0.3") == {"solo": 0.3, "team": 0.3, "busy": 0.3}
+    for bad, why in (("busy=1.0", r"\[0.0, 1.0\)"), ("-0.1", r"\[0.0"), ("team=a", "a number")):
+        with pytest.raises(ValueError, match=why):
+            threshold(bad)
 
 
 def test_bench_quick_draft_vocabulary(bench_pair, tmp_path):

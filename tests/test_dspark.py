@@ -125,12 +125,15 @@ def test_paged_draft_equals_dense_draft(pair):
         active=jnp.ones(2, bool), remaining=jnp.full(2, 20, jnp.int32),
         stop_on_eos=jnp.ones(2, bool), sampling=eng._sampling(reqs))
     tgt, drf = eng.programs.models(eng.params)
-    _, drafts, q = jax.jit(eng.programs.draft)(tgt, drf, eng.caches[1], state)
+    _, drafts, q, confidence = jax.jit(eng.programs.draft)(tgt, drf, eng.caches[1], state)
     for b, r in enumerate(reqs):
         prev = [r.output_ids[-1]] + np.asarray(drafts[b, :-1]).tolist()
         dense, _ = dense_block_logits(target, drafter, r.prompt_ids, r.output_ids[-1], prev)
         np.testing.assert_allclose(np.asarray(q[b]), np.asarray(jax.nn.log_softmax(dense, -1)),
                                    atol=2e-4)
+        # The confidence of x_k reads x_{k-1} (the anchor for k = 1), never x_k itself.
+        _, _, dense_conf = dense_draft(target, drafter, [r.prompt_ids], [r.output_ids[-1]], [prev])
+        np.testing.assert_allclose(np.asarray(confidence[b]), np.asarray(dense_conf[0]), atol=2e-4)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------

@@ -94,6 +94,9 @@ def assemble(parts: dict, *, env: dict, warnings: list[str] | None = None,
                             "spec": [b.get("engine_time") for b in sp]},
             "acceptance_per_position": p["verify"]["acceptance_per_position"],
             "verify_steps": p["verify"]["steps"],
+            # DSpark's prefix rule: its threshold and the drafts a verify step verified on average
+            "verify_threshold": p["verify"].get("threshold"),
+            "drafts_per_step": p["verify"].get("drafts_per_step"),
             "peak_mib": None if not peak else {
                 "stock": peak["stock"] / 2 ** 20, "spec": peak["spec"] / 2 ** 20,
                 "exact": {"stock": peak["stock_exact"], "spec": peak["spec_exact"]}},
@@ -237,20 +240,21 @@ def markdown(rec: dict) -> str:
             f"{' (dirty)' if env.get('dirty') else ''} | {env.get('date')} | sampling "
             f"{(rec.get('config') or {}).get('sampling', {}).get('name')}",
             "", f"`{env.get('command')}`", ""]
-    out += ["| workload | lanes | prompts | new tokens | pass ratios | ratio | tau | eta | "
-            "stock tok/s | spec tok/s | peak MiB stock / spec | length ratio [95 % CI] |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["| workload | lanes | prompts | new tokens | pass ratios | ratio | tau | drafts / step "
+            "| eta | stock tok/s | spec tok/s | peak MiB stock / spec | length ratio [95 % CI] |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in WORKLOAD_ORDER:
         d = (rec.get("workloads") or {}).get(w)
         r, t, L = rec["ratios"][w], rec["tokens_per_s"][w], rec["lengths"][w]
         if not d:
-            out.append(f"| {w} | - | - | - | not run | - | - | - | - | - | - | - |")
+            out.append(f"| {w} | - | - | - | not run | - | - | - | - | - | - | - | - |")
             continue
         peak = d.get("peak_mib") or {}
         out.append(
             f"| {w} | {d['lanes']} | {d['prompts']} | {d['max_new_tokens']} | "
             f"{', '.join(_fmt(x, '.2f') for x in r['passes'])} | {_fmt(r['ratio'], '.2f')} | "
-            f"{_fmt(rec['acceptance'][w], '.2f')} | {_fmt(rec['efficiency'][w], '.2f')} | "
+            f"{_fmt(rec['acceptance'][w], '.2f')} | {_fmt(d.get('drafts_per_step'), '.2f')} | "
+            f"{_fmt(rec['efficiency'][w], '.2f')} | "
             f"{_fmt(t['stock'], '.1f')} | {_fmt(t['spec'], '.1f')} | "
             f"{_fmt(peak.get('stock'), '.0f')} / {_fmt(peak.get('spec'), '.0f')} | "
             f"{_fmt(L.get('ratio'))} [{_fmt(L.get('low'))}, {_fmt(L.get('high'))}] |")

@@ -77,6 +77,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "named verifies the drafter's whole block, the default). Fewer verify rows "
                    "cost less where the verify GEMM is compute-bound (busy's 256 rows); lossless "
                    "at any K")
+    p.add_argument("--verify-threshold", metavar="T | solo=T,team=T,busy=T",
+                   help="DSpark's prefix rule, for every workload or per workload (0, the "
+                   "default: verify every draft): each lane verifies the drafts whose cumulative "
+                   "confidence stays >= T, packed into the smallest static verify size that "
+                   "holds them (EngineConfig.verify_threshold; lossless at any T)")
     p.add_argument("--peer", default="auto", choices=["auto", "on", "off"],
                    help="transformers peer with solo: auto = on unless --quick")
     p.add_argument("--page-size", type=int, default=16)
@@ -117,6 +122,8 @@ def command_line(args) -> str:
         words.append("--quick")
     if args.num_draft_tokens is not None:
         words += ["--num-draft-tokens", str(args.num_draft_tokens)]
+    if getattr(args, "verify_threshold", None) is not None:
+        words += ["--verify-threshold", str(args.verify_threshold)]
     words += ["--peer", args.peer, "--page-size", str(args.page_size), "--prefill-chunk",
               str(args.prefill_chunk), "--stock-decode-steps", str(args.stock_decode_steps),
               "--spec-decode-steps", str(args.spec_decode_steps), "--attn-impl", args.attn_impl]
@@ -153,33 +160,42 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def parse_per_workload(value, flag: str, kind, default, bounds, what: str = "V") -> dict:
+    """A per-workload option -> {workload: value}: None = the default everywhere; "V" = V
+    everywhere; "solo=V,busy=V" = per workload (the rest: the default). `bounds` (low, high)
+    with high exclusive for floats and inclusive for ints."""
+    out = {name: default for name in W.WORKLOAD_ORDER}
+    if value is None:
+        return out
+    items = [w.strip() for w in str(value).strip().split(",") if w.strip()]
+    if not items:
+        raise ValueError(f"{flag}: empty")
+    if len(items) == 1 and "=" not in items[0]:
+        items = [f"{name}={items[0]}" for name in W.WORKLOAD_ORDER]
+    low, high = bounds
+    for item in items:
+        name, sep, v = item.partition("=")
+        name = name.strip()
+        if not sep or name not in out:
+            raise ValueError(f"{flag}: {item!r} is neither {what} nor WORKLOAD={what} with "
+                             f"WORKLOAD one of {', '.join(W.WORKLOAD_ORDER)}")
+        try:
+            v = kind(v)
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r}: {what} must be "
+                             f"{'an integer' if kind is int else 'a number'}") from None
+        inside = low <= v <= high if kind is int else low <= v < high
+        if not inside:
+            span = f"{low}..{high}" if kind is int else f"[{low}, {high})"
+            raise ValueError(f"{flag}: {item!r}: {what} must be in {span}")
+        out[name] = v
+    return out
+
+
 def parse_num_draft(value: str | int | None, block_size: int) -> dict[str, int]:
     """--num-draft-tokens -> drafts verified per step for each workload: None = the whole block
     everywhere; "K" = K everywhere; "solo=7,busy=3" = per workload (the rest: the whole block)."""
-    out = {name: block_size for name in W.WORKLOAD_ORDER}
-    if value is None:
-        return out
-    text = str(value).strip()
-    items = [w.strip() for w in text.split(",") if w.strip()]
-    if not items:
-        raise ValueError("--num-draft-tokens: empty")
-    if len(items) == 1 and "=" not in items[0]:
-        items = [f"{name}={items[0]}" for name in W.WORKLOAD_ORDER]
-    for item in items:
-        name, sep, k = item.partition("=")
-        name = name.strip()
-        if not sep or name not in out:
-            raise ValueError(f"--num-draft-tokens: {item!r} is neither K nor WORKLOAD=K with "
-                             f"WORKLOAD one of {', '.join(W.WORKLOAD_ORDER)}")
-        try:
-            k = int(k)
-        except ValueError:
-            raise ValueError(f"--num-draft-tokens: {item!r}: K must be an integer") from None
-        if not 1 <= k <= block_size:
-            raise ValueError(f"--num-draft-tokens: {item!r}: K must be in 1..{block_size} (the "
-                             f"drafter's block size)")
-        out[name] = k
-    return out
+    return parse_per_workload(value, "--num-draft-tokens", int, block_size, (1, block_size), "K")
 
 
 def canonical_num_draft(value: str | int | None) -> str | None:
@@ -278,6 +294,7 @@ class Bench:
         self.key = {"model": str(Path(args.model).resolve()), "draft": str(Path(args.draft).resolve()),
                     "sampling": args.sampling, "quick": self.quick,
                     "num_draft_tokens": canonical_num_draft(args.num_draft_tokens),
+                    "verify_threshold": canonical_num_draft(getattr(args, "verify_threshold", None)),
                     "page_size": args.page_size,
                     "prefill_chunk": args.prefill_chunk, "attn_impl": args.attn_impl,
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
@@ -405,6 +422,11 @@ class Bench:
                                                progress=self.progress)
         self.load_s = time.time() - t
         self.num_draft = parse_num_draft(self.args.num_draft_tokens, self.dcfg.block_size)
+        self.verify_threshold = parse_per_workload(getattr(self.args, "verify_threshold", None),
+                                                   "--verify-threshold", float, 0.0, (0.0, 1.0))
+        if any(self.verify_threshold.values()):
+            from jspec.spec_steps import check_verify_threshold
+            check_verify_threshold(max(self.verify_threshold.values()), self.dcfg)
         # Pages reserved per step: the widest verify of any workload (or the draft block).
         self.step_width = max(max(self.num_draft.values()) + 1, self.dcfg.block_size)
         self.draft_vocab_ids = None
@@ -434,7 +456,8 @@ class Bench:
                     draft_kv_dtype=a.draft_kv_dtype,  # the stock engine ignores both
                     draft_vocab=getattr(a, "draft_vocab", None))
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
-                EngineConfig(decode_steps=a.spec_decode_steps, **base))
+                EngineConfig(decode_steps=a.spec_decode_steps,
+                             verify_threshold=self.verify_threshold[spec.name], **base))
 
     def warm(self, engine, spec, prompts, name) -> float:
         n = min(2, len(prompts))
@@ -546,6 +569,7 @@ class Bench:
                                         "(--quick): no per-engine peak"))
 
         step_tokens = [n for r in passes if r.engine == "spec" for req in r.step_tokens for n in req]
+        step_drafts = [n for r in passes if r.engine == "spec" for req in r.step_drafts for n in req]
         per_pos = [sum(t - 1 >= k for t in step_tokens) / len(step_tokens) if step_tokens else None
                    for k in range(1, num_draft + 1)]
         replies, items = [], []
@@ -574,6 +598,9 @@ class Bench:
                        for r in passes],
             "verify": {"steps": len(step_tokens), "tokens": sum(step_tokens),
                        "tau": sum(step_tokens) / len(step_tokens) if step_tokens else None,
+                       "threshold": self.verify_threshold[spec.name],
+                       "drafts_per_step": (sum(step_drafts) / len(step_drafts)
+                                           if step_drafts else None),
                        "acceptance_per_position": per_pos},
             "pool": {"num_pages": stock.allocator.num_pages, "sized": spec.size_pool,
                      "occupancy": {e: (sum(v) / len(v) if v else None) for e, v in occ.items()},

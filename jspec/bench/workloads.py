@@ -176,6 +176,7 @@ class PassResult:
     # Engine wall time by phase (Engine.stats time_*_s: prefill, prepare, call, wait, emit) and
     # the number of decode dispatches: what the host adds to the device's work.
     timing: dict = dataclasses.field(default_factory=dict)
+    step_drafts: list[list[int]] = dataclasses.field(default_factory=list)  # drafts verified
 
     @property
     def tokens_per_s(self) -> float:
@@ -227,6 +228,7 @@ def timed_pass(engine, requests, *, engine_name: str, index: int, desc: str,
                       tokens=sum(len(r.output_ids) for r in requests),
                       outputs=[list(r.output_ids) for r in requests],
                       step_tokens=[list(r.step_tokens) for r in requests],
+                      step_drafts=[list(r.step_drafts) for r in requests],
                       preemptions=engine.stats["preemptions"] - preempt0, occupancy=occupancy,
                       timing=timing)
 

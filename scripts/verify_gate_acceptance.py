@@ -1,0 +1,97 @@
+"""DSpark's prefix rule on a trained pair: tokens per verify step (tau) and drafts verified per
+step at several confidence thresholds, through the engine, at T = 1 on the humaneval + mbpp
+first turns (chat template). Every threshold runs the same prompts and seeds.
+
+With a cost table of the speculative iteration against its verify rows (scripts/bench_steps.py
+--num-draft, on the GPU), it also prints what each threshold would give per unit of time at a
+lane count: tau / iteration_ms(rows), rows = lanes x (1 + drafts per step) rounded up to the
+engine's static verify size (jspec.spec_steps.verify_buckets). That is an estimate from two
+measurements, not a benchmark: `jspec bench --verify-threshold` is.
+
+  python scripts/verify_gate_acceptance.py --prompts-dir ../shared/data/prompts --limit 10 \\
+      --thresholds 0,0.05,0.1,0.2,0.3 --out gate.json [--cost width_sweep.json --lanes 16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def estimate(record: dict, cost: dict, lanes: int, context: int) -> dict | None:
+    """tau / iteration_ms at the bucket that holds lanes x (1 + drafts per step) rows, from the
+    cost sweep's rows at this lane count and the context nearest `context`."""
+    from jspec.spec_steps import verify_buckets
+    rows_cost = {r["verify_rows"]: r["iteration_ms"] for r in cost["spec"]
+                 if r["lanes"] == lanes and r["context"] == context and "iteration_ms" in r}
+    if not rows_cost:
+        return None
+    need = lanes * (1 + record["drafts_per_step"])
+    bucket = next(b for b in verify_buckets(lanes, 8) if b >= need - 1e-9)
+    known = sorted(rows_cost)
+    at = next((r for r in known if r >= bucket), known[-1])  # the nearest measured size above
+    return {"lanes": lanes, "context": context, "rows": bucket, "cost_rows": at,
+            "iteration_ms": rows_cost[at], "tokens_per_ms": record["tau"] / rows_cost[at]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="standin")
+    ap.add_argument("--draft", default="standin-dspark")
+    ap.add_argument("--prompts-dir", required=True)
+    ap.add_argument("--limit", type=int, default=10, help="first N prompts of each set")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--thresholds", default="0,0.05,0.1,0.2,0.3")
+    ap.add_argument("--lanes-engine", type=int, default=8, help="the engine's lanes (CPU: few)")
+    ap.add_argument("--cost", help="bench_steps.py JSON with --num-draft rows (optional)")
+    ap.add_argument("--lanes", default="16,32", help="lane counts to estimate at (with --cost)")
+    ap.add_argument("--contexts", default="512,3072", help="the cost table's context per lane "
+                    "count, in the same order")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    from jspec import LLM, SamplingParams
+    from jspec.prompts import first_turn, load_prompts
+
+    prompts = []
+    for name in ("humaneval", "mbpp"):
+        records = load_prompts(Path(args.prompts_dir) / f"{name}.jsonl", limit=args.limit)
+        prompts += [first_turn(r) for r in records]
+    rec = {"target": args.target, "draft": args.draft, "prompts": len(prompts),
+           "max_tokens": args.max_tokens, "temperature": 1.0, "runs": []}
+    cost = json.loads(Path(args.cost).read_text()) if args.cost else None
+    for threshold in [float(t) for t in args.thresholds.split(",")]:
+        llm = LLM(args.target, draft=args.draft, max_lanes=args.lanes_engine,
+                  verify_threshold=threshold)
+        ids = [llm.encode_prompt(p, chat=True) for p in prompts]
+        reqs = [llm.make_request(p, SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
+                                                   seed=1000 + i), i) for i, p in enumerate(ids)]
+        t = time.time()
+        llm.engine.generate(reqs)
+        steps = [n for r in reqs for n in r.step_tokens]
+        drafts = [d for r in reqs for d in r.step_drafts]
+        run = {"threshold": threshold, "verify_steps": len(steps), "tokens": sum(steps),
+               "tau": sum(steps) / len(steps), "drafts_per_step": sum(drafts) / len(drafts),
+               "draft_histogram": [drafts.count(k) for k in range(8)],
+               # tokens committed per step (1..8): with the whole block verified, tau at any
+               # fixed width n follows: 1 + sum_{k <= n} P(tokens > k)
+               "tokens_histogram": [steps.count(k) for k in range(1, 9)],
+               "wall_s": time.time() - t}
+        if cost:
+            run["estimates"] = [estimate(run, cost, int(lanes), int(ctx)) for lanes, ctx in
+                                zip(args.lanes.split(","), args.contexts.split(","))]
+        rec["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        Path(args.out).write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+if __name__ == "__main__":
+    main()
