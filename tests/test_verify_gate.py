@@ -19,7 +19,7 @@ from jspec.steps import DecodeState
 from test_spec_engine import CFG, DCFG, ECFG, K, SPECS, _requests, bigram_pair
 
 # fixtures shared with the speculative engine's tests
-from test_spec_engine import random_drafter, target  # noqa: F401
+from test_spec_engine import random_drafter, target, tiny_pair_dirs  # noqa: F401
 
 
 def test_proposed_drafts_is_the_prefix_above_the_threshold():
@@ -171,3 +171,48 @@ def test_gate_refusals(target):  # noqa: F811
     with pytest.raises(ValueError, match="confidence head"):
         Engine(CFG, target, (), dataclasses.replace(ECFG, verify_threshold=0.5), drafter=dflash,
                draft_cfg=dflash_cfg)
+
+
+@pytest.mark.gpu
+def test_gated_verify_on_the_gpu_invariant_route():
+    """The GPU's batch-invariant route (Triton linear kernels, the ragged attention with lanes
+    of 1..8 queries in one call, a lax.switch over the verify sizes inside the device loop):
+    gated greedy output equals stock greedy token for token."""
+    from flax import nnx
+
+    from jspec.qwen3 import init_random
+    cfg = CFG.replace(dtype="bfloat16", head_dim=64)
+    dcfg = dataclasses.replace(DCFG, layers=cfg.replace(num_layers=2))
+    tgt = init_random(cfg, seed=1)
+    nnx.update(tgt, jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, nnx.state(tgt)))
+    drf = init_random_drafter(dcfg, seed=3)
+    base = EngineConfig(max_lanes=4, page_size=16, max_context=160, prefill_chunk=32,
+                        decode_steps=3, batch_invariant=True)
+    stock = Engine(cfg, tgt, (), base).generate(_requests(SPECS))
+    gated = Engine(cfg, tgt, (), dataclasses.replace(base, verify_threshold=0.3), drafter=drf,
+                   draft_cfg=dcfg)
+    spec = gated.generate(_requests(SPECS))
+    for a, b in zip(stock, spec):
+        assert a.output_ids == b.output_ids
+    assert min(d for r in spec for d in r.step_drafts) < K  # the gate verified fewer somewhere
+
+
+def test_cli_generate_with_the_gate_and_its_refusals(tiny_pair_dirs, capsys):  # noqa: F811
+    """jspec generate --verify-threshold: the same greedy text as without it; without a drafter,
+    or out of range, a one-line error and exit code 2."""
+    import json
+
+    from jspec.cli import main
+    target_dir, draft_dir = tiny_pair_dirs
+    args = ["generate", "--model", str(target_dir), "--draft", str(draft_dir), "--prompt",
+            "def f(x):", "--max-tokens", "12", "--temperature", "0", "--max-context", "128",
+            "--attn-impl", "xla", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(args + ["--verify-threshold", "0.5"]) == 0
+    gated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert gated["token_ids"] == plain["token_ids"]
+    assert main(args[:3] + args[5:] + ["--verify-threshold", "0.5"]) == 2
+    assert "verify_threshold needs a draft model" in capsys.readouterr().err
+    assert main(args + ["--verify-threshold", "1.5"]) == 2
+    assert "verify_threshold must be in [0, 1)" in capsys.readouterr().err
