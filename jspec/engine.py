@@ -36,6 +36,11 @@ from jspec.sampling import SamplingArrays
 from jspec.steps import DecodeState, StockPrograms
 
 
+# The smallest padded prefill (EngineConfig.prefill_sizes): below ~64 rows a forward costs about
+# what 64 rows cost (the weights are read once either way), and each size is one more compile.
+MIN_PREFILL_BUCKET = 64
+
+
 @functools.lru_cache(maxsize=16)
 def shared_programs(kind, *static):
     """One set of jitted programs per (model structure, cache geometry, eos ids, ...): engines
@@ -99,6 +104,10 @@ class EngineConfig:
     max_context: int = 4096  # prompt + generated tokens of one request
     num_pages: int | None = None  # default: every lane can reach max_context at once
     prefill_chunk: int = 256
+    # A prompt's last (or only) chunk is padded to the smallest of these sizes that holds it
+    # instead of to prefill_chunk: a 60-token prompt runs a 64-row forward, not a 256-row one.
+    # Each size is one more compiled prefill (Engine.precompile_prefill compiles them all).
+    prefill_buckets: bool = True
     decode_steps: int = 16  # decode steps (or speculative iterations) per dispatch
     attn_impl: str = "auto"
     # GPU only: the target's matmuls and attention through batch-invariant kernels, so that a
@@ -145,6 +154,16 @@ class EngineConfig:
         if not 0.0 <= self.verify_threshold < 1.0:
             raise ValueError(f"verify_threshold must be in [0, 1) (0: verify every draft), got "
                              f"{self.verify_threshold}")
+
+    def prefill_sizes(self) -> tuple[int, ...]:
+        """Padded prefill lengths, ascending; the last is prefill_chunk. The smaller ones are
+        prefill_chunk / 2 and / 4 while they stay >= MIN_PREFILL_BUCKET rows."""
+        sizes = {self.prefill_chunk}
+        if self.prefill_buckets:
+            for div in (2, 4):
+                if self.prefill_chunk % div == 0 and self.prefill_chunk // div >= MIN_PREFILL_BUCKET:
+                    sizes.add(self.prefill_chunk // div)
+        return tuple(sorted(sizes))
 
     @property
     def pages_per_lane(self) -> int:
@@ -349,12 +368,12 @@ class Engine:
         t0 = time.perf_counter()
         resumed = bool(req.output_ids)
         context = req.context_ids[:-1] if resumed else req.context_ids
-        chunk = self.ecfg.prefill_chunk
+        chunk, sizes = self.ecfg.prefill_chunk, self.ecfg.prefill_sizes()
         row = jnp.asarray(self._page_row(req))
         sampling = self._sampling([req])
         for start in range(0, len(context), chunk):
             piece = context[start:start + chunk]
-            tokens = np.zeros(chunk, np.int32)
+            tokens = np.zeros(next(n for n in sizes if n >= len(piece)), np.int32)
             tokens[:len(piece)] = piece
             self.caches, token, logprob = self.programs.prefill(
                 self.params, self.caches, jnp.asarray(tokens), jnp.int32(start),
@@ -363,6 +382,18 @@ class Engine:
         if not resumed:
             self._emit(req, [int(token[0])], [float(logprob[0])])
         self.stats["time_prefill_s"] += time.perf_counter() - t0
+
+    def precompile_prefill(self) -> None:
+        """Compiles the prefill at every padded size now (a benchmark's warm-up), so that no
+        prompt length compiles one later. Each runs once on a lane whose pages are all the null
+        page, which only padding ever writes."""
+        row = jnp.full((self.ecfg.pages_per_lane,), NULL_PAGE, jnp.int32)
+        sampling = self._sampling([None])
+        for size in self.ecfg.prefill_sizes():
+            self.caches, token, _ = self.programs.prefill(
+                self.params, self.caches, jnp.zeros((size,), jnp.int32), jnp.int32(0),
+                jnp.int32(1), row, sampling)
+        jax.block_until_ready(token)
 
     def _emit(self, req: Request, tokens: list[int], logprobs: list[float]) -> None:
         for tok, lp in zip(tokens, logprobs):

@@ -325,3 +325,36 @@ def test_lookahead_and_device_loop_change_when_not_what(model, lanes, num_pages)
             np.testing.assert_allclose(lp, lp_ref, atol=1e-6)
         assert (eng.stats["lookahead_dispatches"] > 0) == lookahead
         assert eng.allocator.num_free == eng.allocator.num_pages - 1  # every page came back
+
+
+def test_prefill_buckets_sizes_outputs_and_no_recompilation(model, monkeypatch):
+    """A prompt's last chunk is padded to the smallest prefill size that holds it (256: 64,
+    128 or 256 rows): greedy outputs and log-probs are those of padding to the whole chunk,
+    and once precompile_prefill has run, no prompt length compiles another prefill."""
+    assert EngineConfig(prefill_chunk=256).prefill_sizes() == (64, 128, 256)
+    assert EngineConfig(prefill_chunk=128).prefill_sizes() == (64, 128)
+    assert EngineConfig(prefill_chunk=96).prefill_sizes() == (96,)  # 48 < 64
+    assert EngineConfig(prefill_chunk=16).prefill_sizes() == (16,)
+    assert EngineConfig(prefill_chunk=256, prefill_buckets=False).prefill_sizes() == (256,)
+    specs = [(5, 6), (70, 5), (130, 4), (300, 3), (64, 5)]  # 300: a full chunk, then 44
+    runs, padded = {}, {}
+    for buckets in (False, True):
+        eng = _engine(model, max_context=320, prefill_chunk=256, prefill_buckets=buckets)
+        eng.precompile_prefill()
+        compiled = compile_count(eng.programs.prefill)
+        prefill = eng.programs.prefill
+        padded[buckets] = []
+
+        def spy(params, caches, tokens, *rest, _prefill=prefill, _seen=padded[buckets]):
+            _seen.append(int(tokens.shape[0]))
+            return _prefill(params, caches, tokens, *rest)
+
+        monkeypatch.setattr(eng.programs, "prefill", spy)
+        runs[buckets] = eng.generate(_requests(specs))
+        monkeypatch.undo()
+        assert compile_count(eng.programs.prefill) == compiled  # every size compiled up front
+    assert padded[False] == [256, 256, 256, 256, 256, 256]
+    assert padded[True] == [64, 128, 256, 256, 64, 64]  # 300 tokens: 256, then 44 in 64
+    for a, b in zip(runs[False], runs[True]):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
