@@ -52,11 +52,8 @@ Array = jax.Array
 VERIFY_BUCKET_WIDTHS = (2, 3, 4, 6)
 
 
-def check_verify_threshold(threshold: float, dcfg: DSparkConfig) -> None:
-    """0 <= threshold < 1, and a drafter with a confidence head when it is used."""
-    if not 0.0 <= threshold < 1.0:
-        raise ValueError(f"verify_threshold must be in [0, 1) (0: verify every draft), got "
-                         f"{threshold}")
+def check_confidence_head(threshold: float, dcfg: DSparkConfig) -> None:
+    """A threshold > 0 needs a drafter with a confidence head (EngineConfig checks its range)."""
     if threshold > 0 and not dcfg.confidence_head:
         raise ValueError("verify_threshold needs a drafter with a confidence head (DSpark); "
                          "this drafter has none (DFlash)")
@@ -101,7 +98,7 @@ class SpecPrograms(Programs):
         if not 1 <= self.k <= dcfg.block_size:
             raise ValueError(f"num_draft_tokens must be in 1..{dcfg.block_size} (the drafter's "
                              f"block size), got {self.k}")
-        check_verify_threshold(verify_threshold, dcfg)
+        check_confidence_head(verify_threshold, dcfg)
         self.verify_threshold = float(verify_threshold)
         super().__init__(page_size, eos_ids, attn_impl, device_loop)
 

@@ -300,13 +300,13 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
 def test_num_draft_tokens_per_workload():
     """--num-draft-tokens: K everywhere, or WORKLOAD=K (the rest verify the whole block);
     --verify-threshold likewise with T in [0, 1); anything else is refused with the item named."""
-    from jspec.bench.run import canonical_num_draft, parse_num_draft
+    from jspec.bench.run import canonical_per_workload, parse_num_draft
     assert parse_num_draft(None, 7) == {"solo": 7, "team": 7, "busy": 7}
     assert parse_num_draft("4", 7) == {"solo": 4, "team": 4, "busy": 4}
     assert parse_num_draft(5, 7) == {"solo": 5, "team": 5, "busy": 5}
     assert parse_num_draft("team=3, busy=2", 7) == {"solo": 7, "team": 3, "busy": 2}
-    assert canonical_num_draft("team=3, busy=2") == "team=3,busy=2"
-    assert canonical_num_draft(None) is None
+    assert canonical_per_workload("team=3, busy=2") == "team=3,busy=2"
+    assert canonical_per_workload(None) is None
     for bad, why in (("8", "1..7"), ("busy=0", "1..7"), ("crowd=3", "'crowd=3'"),
                      ("team=x", "integer"), ("", "empty"), ("3,4", "'3'")):
         with pytest.raises(ValueError, match=why):

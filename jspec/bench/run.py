@@ -198,9 +198,9 @@ def parse_num_draft(value: str | int | None, block_size: int) -> dict[str, int]:
     return parse_per_workload(value, "--num-draft-tokens", int, block_size, (1, block_size), "K")
 
 
-def canonical_num_draft(value: str | int | None) -> str | None:
-    """The run key's form of --num-draft-tokens: stages typed the same way merge, whatever the
-    spacing (None: the drafter's block everywhere)."""
+def canonical_per_workload(value: str | int | None) -> str | None:
+    """The run key's form of a per-workload option (--num-draft-tokens, --verify-threshold):
+    stages typed the same way merge, whatever the spacing (None: the option's default)."""
     if value is None:
         return None
     return ",".join(w.strip().replace(" ", "") for w in str(value).split(",") if w.strip())
@@ -293,8 +293,8 @@ class Bench:
         commit, dirty = git_state()
         self.key = {"model": str(Path(args.model).resolve()), "draft": str(Path(args.draft).resolve()),
                     "sampling": args.sampling, "quick": self.quick,
-                    "num_draft_tokens": canonical_num_draft(args.num_draft_tokens),
-                    "verify_threshold": canonical_num_draft(getattr(args, "verify_threshold", None)),
+                    "num_draft_tokens": canonical_per_workload(args.num_draft_tokens),
+                    "verify_threshold": canonical_per_workload(getattr(args, "verify_threshold", None)),
                     "page_size": args.page_size,
                     "prefill_chunk": args.prefill_chunk, "attn_impl": args.attn_impl,
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
@@ -424,9 +424,9 @@ class Bench:
         self.num_draft = parse_num_draft(self.args.num_draft_tokens, self.dcfg.block_size)
         self.verify_threshold = parse_per_workload(getattr(self.args, "verify_threshold", None),
                                                    "--verify-threshold", float, 0.0, (0.0, 1.0))
-        if any(self.verify_threshold.values()):
-            from jspec.spec_steps import check_verify_threshold
-            check_verify_threshold(max(self.verify_threshold.values()), self.dcfg)
+        if any(self.verify_threshold.values()):  # refuse a DFlash drafter before any workload
+            from jspec.spec_steps import check_confidence_head
+            check_confidence_head(max(self.verify_threshold.values()), self.dcfg)
         # Pages reserved per step: the widest verify of any workload (or the draft block).
         self.step_width = max(max(self.num_draft.values()) + 1, self.dcfg.block_size)
         self.draft_vocab_ids = None
