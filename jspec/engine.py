@@ -113,6 +113,14 @@ class EngineConfig:
     # GPU only: the target's matmuls and attention through batch-invariant kernels, so that a
     # verify row and a decode row compute the same bits (kernels/linear.py). Not yet measured.
     batch_invariant: bool = False
+    # With batch_invariant: prefill through the batch-invariant kernels too. Off (the default),
+    # prefill's matmuls and RMSNorms run XLA's (cuBLAS GEMMs): a prompt's chunk is one lane's,
+    # so its bits never depend on the batch either way, and both engines of a comparison
+    # prefill the same prompt the same way. What invariance buys is verify == decode; no
+    # prefill row is ever compared with a decode row. (A preempted request's re-prefill does
+    # not reproduce decode's bits on either route: the attention's invariant plan covers at
+    # most 8 queries a lane.)
+    invariant_prefill: bool = False
     # The drafter's KV pool dtype: None = the model dtype; "float8_e4m3fn" halves the pool (bf16).
     # It changes only what the drafter proposes (acceptance), never the output distribution: the
     # target's pool, the verifier and the rejection sampler are untouched. Writes clip to the
@@ -151,16 +159,19 @@ class EngineConfig:
         if self.draft_kv_dtype not in DRAFT_KV_DTYPES:
             raise ValueError(f"draft_kv_dtype must be one of {DRAFT_KV_DTYPES} (None: the model "
                              f"dtype), got {self.draft_kv_dtype!r}")
+        if self.invariant_prefill and not self.batch_invariant:
+            raise ValueError("invariant_prefill needs batch_invariant (without it every route is "
+                             "XLA's)")
         if not 0.0 <= self.verify_threshold < 1.0:
             raise ValueError(f"verify_threshold must be in [0, 1) (0: verify every draft), got "
                              f"{self.verify_threshold}")
 
     def prefill_sizes(self) -> tuple[int, ...]:
         """Padded prefill lengths, ascending; the last is prefill_chunk. The smaller ones are
-        prefill_chunk / 2 and / 4 while they stay >= MIN_PREFILL_BUCKET rows."""
+        prefill_chunk / 2, / 4 and / 8 while they stay >= MIN_PREFILL_BUCKET rows."""
         sizes = {self.prefill_chunk}
         if self.prefill_buckets:
-            for div in (2, 4):
+            for div in (2, 4, 8):
                 if self.prefill_chunk % div == 0 and self.prefill_chunk // div >= MIN_PREFILL_BUCKET:
                     sizes.add(self.prefill_chunk // div)
         return tuple(sorted(sizes))
@@ -205,12 +216,17 @@ class Engine:
             if attn_impl not in ("auto", "triton", "triton_invariant"):
                 raise ValueError(f"batch_invariant needs the Triton attention kernel, not {attn_impl!r}")
             linear_impl, attn_impl = "triton", "triton_invariant"
+        prefill_impl = linear_impl if engine_cfg.invariant_prefill else "xla"
         # Serving layout, in place (idempotent); the module attributes become part of the graphdef
         # split below, so an engine built later with other choices does not change this one.
+        # The prefill's graphdef differs only in its matmul route; both share the parameters.
+        fuse_projections(model, linear_impl=prefill_impl)
+        prefill_graphdef = nnx.split(model)[0]
         fuse_projections(model, linear_impl=linear_impl)
         if drafter is not None:
             fuse_projections(drafter, qkv=False)
         graphdef, target_params = nnx.split(model)
+        prefill_graphdef = None if prefill_impl == linear_impl else prefill_graphdef
         self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,
                                       cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
         self.allocator = PageAllocator(self.cache_shape.num_pages)
@@ -218,7 +234,8 @@ class Engine:
             self.params = target_params
             self.caches = init_kv_caches(self.cache_shape)
             self.programs = shared_programs(StockPrograms, graphdef, engine_cfg.page_size,
-                                            self.eos_ids, attn_impl, engine_cfg.device_loop)
+                                            self.eos_ids, attn_impl, engine_cfg.device_loop,
+                                            prefill_graphdef)
         else:
             from jspec.spec_steps import SpecPrograms
             draft_cfg.check_fits(cfg)
@@ -238,7 +255,8 @@ class Engine:
             self.programs = shared_programs(SpecPrograms, graphdef, draft_graphdef, draft_cfg,
                                             engine_cfg.page_size, self.eos_ids,
                                             attn_impl, self.num_draft, engine_cfg.device_loop,
-                                            float(engine_cfg.verify_threshold))
+                                            float(engine_cfg.verify_threshold),
+                                            prefill_graphdef)
         self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
         self._admissions = itertools.count(1)
         self.stats = collections.Counter()

@@ -90,8 +90,11 @@ def _lane_grid(num_lanes: int, width: int):
 class SpecPrograms(Programs):
     def __init__(self, target_graphdef, draft_graphdef, dcfg: DSparkConfig, page_size: int,
                  eos_ids: tuple[int, ...], attn_impl: str = "auto", num_draft: int | None = None,
-                 device_loop: bool = False, verify_threshold: float = 0.0):
+                 device_loop: bool = False, verify_threshold: float = 0.0,
+                 prefill_graphdef=None):
         self.tg, self.dg, self.dcfg = target_graphdef, draft_graphdef, dcfg
+        # The target as prefill runs it (StockPrograms says why it may differ).
+        self.prefill_tg = prefill_graphdef or target_graphdef
         # The drafter always runs its whole block (that is what it was trained on); only the
         # first `num_draft` tokens are proposed and verified.
         self.k = num_draft or dcfg.block_size
@@ -119,7 +122,8 @@ class SpecPrograms(Programs):
 
     def _prefill(self, params, caches, tokens_c, start, q_len, page_row_p, sampling: SamplingArrays):
         """As the stock prefill, plus the drafter's context K/V for the chunk."""
-        target, drafter = self.models(params)
+        target = nnx.merge(self.prefill_tg, params[0])
+        drafter = nnx.merge(self.dg, params[1])
         tcaches, dcaches = caches
         positions_c, slots_c, attend = prefill_layout(tokens_c, start, q_len, page_row_p,
                                                       self.page_size, self.attn_impl)

@@ -170,8 +170,11 @@ class StockPrograms(Programs):
     """Compiled-once prefill and decode programs for one model and one cache geometry."""
 
     def __init__(self, graphdef, page_size: int, eos_ids: tuple[int, ...], attn_impl: str = "auto",
-                 device_loop: bool = False):
+                 device_loop: bool = False, prefill_graphdef=None):
         self.graphdef = graphdef
+        # The model as prefill runs it (another matmul route, EngineConfig.invariant_prefill);
+        # None: as decode runs it.
+        self.prefill_graphdef = prefill_graphdef or graphdef
         super().__init__(page_size, eos_ids, attn_impl, device_loop)
 
     def model(self, params) -> Qwen3:
@@ -192,7 +195,7 @@ class StockPrograms(Programs):
         Returns (caches, token [1], logprob [1])."""
         positions_c, _, attend = prefill_layout(tokens_c, start, q_len, page_row_p,
                                                 self.page_size, self.attn_impl)
-        model = self.model(params)
+        model = nnx.merge(self.prefill_graphdef, params)
         hidden_1cd, _, caches = model(tokens_c[None], positions_c[None], attention=attend,
                                       caches=caches)
         return (caches, *sample_after_chunk(model, hidden_1cd, start, q_len, sampling))

@@ -145,13 +145,16 @@ def test_attention_invariant_plan_decode_equals_verify_8b_shape():
                                        rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("invariant_prefill", [False, True])
 @pytest.mark.parametrize("shape", ["tiny", "standin"])
-def test_batch_invariant_engine_verify_equals_decode(shape):
+def test_batch_invariant_engine_verify_equals_decode(shape, invariant_prefill):
     """The whole target: fixed texts teacher-forced through verify and through decode give the
     same log-probs to the bit with batch_invariant=True (and differ without it). "standin" has
     the stand-in target's widths (hidden 256, head_dim 128, Qwen3's 151936-id vocabulary): the
     real stand-in still differed there (mean |d log p| 1.75e-3) while only the matmuls and
-    attention were invariant, the norms and the log-softmax on XLA."""
+    attention were invariant, the norms and the log-softmax on XLA. The prompt's prefill runs
+    XLA's GEMMs or the invariant kernels (EngineConfig.invariant_prefill): both engines share it,
+    so verify == decode holds either way."""
     from jspec.config import PRESETS
     from jspec.dspark import DSparkConfig, DSparkDrafter
     from jspec.engine import Engine, EngineConfig
@@ -173,7 +176,8 @@ def test_batch_invariant_engine_verify_equals_decode(shape):
         target = init_random(cfg, seed=1)
         nnx.update(target, jax.tree.map(lambda x: x * 5 if x.ndim > 1 else x, nnx.state(target)))
         drafter = DSparkDrafter(dcfg, rngs=nnx.Rngs(2))
-        ecfg = EngineConfig(max_lanes=1, page_size=16, max_context=128, batch_invariant=inv)
+        ecfg = EngineConfig(max_lanes=1, page_size=16, max_context=128, batch_invariant=inv,
+                            invariant_prefill=inv and invariant_prefill)
         stock = Engine(cfg, target, (), ecfg)
         spec = Engine(cfg, target, (), ecfg, drafter=drafter, draft_cfg=dcfg)
         a = teacher_forced_logprobs(stock, prompt, cont)

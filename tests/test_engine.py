@@ -232,6 +232,28 @@ def test_batch_invariant_engine_is_refused_without_a_gpu(model):
         _engine(model, batch_invariant=True)
 
 
+@pytest.mark.parametrize("invariant_prefill", [False, True])
+def test_batch_invariant_engine_prefills_on_the_chosen_route(model, monkeypatch, invariant_prefill):
+    """With batch_invariant, decode runs the invariant kernels ("triton") and prefill XLA's GEMMs
+    unless invariant_prefill; both share one set of parameters. (Built, not run: the Triton
+    kernels need a GPU; tests/test_batch_invariance_gpu.py runs both routes.)"""
+    import jspec.engine
+    monkeypatch.setattr(jspec.engine, "check_impl", lambda impl: None)
+    eng = _engine(model, batch_invariant=True, invariant_prefill=invariant_prefill, attn_impl="auto")
+    progs = eng.programs
+    decode_model = nnx.merge(progs.graphdef, eng.params)
+    prefill_model = nnx.merge(progs.prefill_graphdef, eng.params)
+    want = "triton" if invariant_prefill else "xla"
+    assert decode_model.linear_impl == decode_model.norm.impl == "triton"
+    assert prefill_model.linear_impl == prefill_model.norm.impl == want
+    for layer in prefill_model.layers:
+        assert layer.mlp.linear_impl == layer.self_attn.linear_impl == want
+        assert layer.input_layernorm.impl == layer.self_attn.k_norm.impl == want
+    assert prefill_model.embed_tokens[...] is decode_model.embed_tokens[...]
+    with pytest.raises(ValueError, match="invariant_prefill needs batch_invariant"):
+        EngineConfig(invariant_prefill=True)
+
+
 def _carry_run(model, carry, check=False, tamper=False, **kw):
     """Sampled requests through 2 lanes and a small pool (preemptions, admissions mid-run),
     with the previous dispatch's device state carried or re-sent every time."""
@@ -332,6 +354,7 @@ def test_prefill_buckets_sizes_outputs_and_no_recompilation(model, monkeypatch):
     128 or 256 rows): greedy outputs and log-probs are those of padding to the whole chunk,
     and once precompile_prefill has run, no prompt length compiles another prefill."""
     assert EngineConfig(prefill_chunk=256).prefill_sizes() == (64, 128, 256)
+    assert EngineConfig(prefill_chunk=512).prefill_sizes() == (64, 128, 256, 512)
     assert EngineConfig(prefill_chunk=128).prefill_sizes() == (64, 128)
     assert EngineConfig(prefill_chunk=96).prefill_sizes() == (96,)  # 48 < 64
     assert EngineConfig(prefill_chunk=16).prefill_sizes() == (16,)

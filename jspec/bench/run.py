@@ -94,6 +94,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action="store_true", help="GPU: the target's matmuls and "
                    "attention through batch-invariant kernels in both engines (verify rows and "
                    "decode rows compute the same bits)")
+    p.add_argument("--invariant-prefill", action="store_true", help="with --batch-invariant: "
+                   "prefill through the batch-invariant kernels too (default: XLA's GEMMs; "
+                   "EngineConfig.invariant_prefill says why either is exact)")
     p.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"], help="the drafter's KV pool "
                    "dtype (default: the model's); float8_e4m3fn halves it (acceptance may change, "
                    "the output distribution does not)")
@@ -131,6 +134,8 @@ def command_line(args) -> str:
         words += ["--dtype", args.dtype]
     if args.batch_invariant:
         words.append("--batch-invariant")
+    if getattr(args, "invariant_prefill", False):
+        words.append("--invariant-prefill")
     if args.draft_kv_dtype:
         words += ["--draft-kv-dtype", args.draft_kv_dtype]
     if getattr(args, "draft_vocab", None):
@@ -147,6 +152,8 @@ def cmd_bench(args) -> int:
     if bad or not (names or merge_only):
         raise ValueError(f"--workloads: unknown {bad or 'empty'}; choose from solo, team, busy, peer "
                          f"(or none, with --merge-parts)")
+    if getattr(args, "invariant_prefill", False) and not args.batch_invariant:
+        raise ValueError("--invariant-prefill needs --batch-invariant")
     for flag in ("page_size", "prefill_chunk", "stock_decode_steps", "spec_decode_steps"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -300,6 +307,7 @@ class Bench:
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
                     "dtype": args.dtype, "commit": commit,
                     "batch_invariant": args.batch_invariant,
+                    "invariant_prefill": getattr(args, "invariant_prefill", False),
                     # the invariant linear kernel's MMA family (kernels/linear_triton.py)
                     "linear_mma": mma_family_from_env() if args.batch_invariant else None,
                     "draft_kv_dtype": args.draft_kv_dtype,
@@ -453,6 +461,7 @@ class Bench:
         base = dict(max_lanes=spec.lanes, page_size=a.page_size, max_context=max_context,
                     num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl,
                     batch_invariant=a.batch_invariant,
+                    invariant_prefill=getattr(a, "invariant_prefill", False),
                     draft_kv_dtype=a.draft_kv_dtype,  # the stock engine ignores both
                     draft_vocab=getattr(a, "draft_vocab", None))
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
