@@ -111,7 +111,7 @@ class EngineConfig:
     decode_steps: int = 16  # decode steps (or speculative iterations) per dispatch
     attn_impl: str = "auto"
     # GPU only: the target's matmuls and attention through batch-invariant kernels, so that a
-    # verify row and a decode row compute the same bits (kernels/linear.py). Not yet measured.
+    # verify row and a decode row compute the same bits (kernels/linear.py).
     batch_invariant: bool = False
     # With batch_invariant: prefill through the batch-invariant kernels too. Off (the default),
     # prefill's matmuls and RMSNorms run XLA's (cuBLAS GEMMs): a prompt's chunk is one lane's,
@@ -219,14 +219,15 @@ class Engine:
         prefill_impl = linear_impl if engine_cfg.invariant_prefill else "xla"
         # Serving layout, in place (idempotent); the module attributes become part of the graphdef
         # split below, so an engine built later with other choices does not change this one.
-        # The prefill's graphdef differs only in its matmul route; both share the parameters.
-        fuse_projections(model, linear_impl=prefill_impl)
-        prefill_graphdef = nnx.split(model)[0]
+        # A prefill on another route gets its own graphdef over the same parameters.
+        prefill_graphdef = None
+        if prefill_impl != linear_impl:
+            fuse_projections(model, linear_impl=prefill_impl)
+            prefill_graphdef = nnx.split(model)[0]
         fuse_projections(model, linear_impl=linear_impl)
         if drafter is not None:
             fuse_projections(drafter, qkv=False)
         graphdef, target_params = nnx.split(model)
-        prefill_graphdef = None if prefill_impl == linear_impl else prefill_graphdef
         self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,
                                       cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
         self.allocator = PageAllocator(self.cache_shape.num_pages)
