@@ -29,8 +29,9 @@
 # needs the fp8 drafter pool at DSpark-8B size:
 #   BENCH_ARGS="--batch-invariant --draft-kv-dtype float8_e4m3fn" bash scripts/gpu_bench.sh graft solo
 # and the headline of 2026-12-03 (SpecScore 1.335) added `--num-draft-tokens team=3,busy=3` to
-# BENCH_ARGS (team and busy verify 3 drafts; docs/benchmarks.md says why). Since 269e6e2 each
-# engine's warm-up also compiles the 64- and 128-row prefill sizes (EngineConfig.prefill_sizes).
+# BENCH_ARGS (team and busy verify 3 drafts; docs/benchmarks.md says why), and the one of the
+# third session (SpecScore 1.379) also `--prefill-chunk 512` (busy's prefill 8.5 -> 6.6 s a pass).
+# Each engine's warm-up compiles every prefill size (EngineConfig.prefill_sizes: chunk / 8 .. chunk).
 # Pass JSPEC_COMMIT explicitly from the submitting checkout: the device's .git can be stale.
 # Every stage writes $BENCH_DIR/parts/<stage>.json and re-assembles $BENCH_DIR/bench.{json,md,png}
 # from all parts of the same run (same model, drafter, sampling, knobs and commit); the last stage
