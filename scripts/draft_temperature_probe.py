@@ -1,0 +1,75 @@
+"""Does sampling the drafter at another temperature raise acceptance? A probe, not a feature.
+
+The drafter's corrected logits are divided by --draft-temperature before the request's own
+processing (jspec.spec_steps.draft_sample is patched in this process only). The rejection sampler
+still receives the law each draft was drawn from, so the output law is the target's at any value;
+only tau can move. One temperature per process: compiled programs are reused across LLM objects
+in one process, so a second temperature in the same process would not retrace the patch.
+
+  python scripts/draft_temperature_probe.py --prompts-dir ../shared/data/prompts --limit 10 \\
+      --draft-temperature 0.8 --out dt08.json
+  python -c "import json, sys; sys.path.insert(0, 'scripts'); from compare_drafters import \\
+      paired_tau_ratio as r; a, b = (json.load(open(f))['per_request'] for f in sys.argv[1:]); \\
+      print(r(a['tokens'], a['steps'], b['tokens'], b['steps']))" dt08.json dt10.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="standin")
+    ap.add_argument("--draft", default="standin-dspark")
+    ap.add_argument("--prompts-dir", required=True)
+    ap.add_argument("--limit", type=int, default=10, help="first N prompts of each set")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--draft-temperature", type=float, required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.draft_temperature <= 0:
+        ap.error(f"--draft-temperature must be > 0, got {args.draft_temperature}")
+
+    import jspec.spec_steps as spec_steps
+    from jspec import LLM, SamplingParams
+    from jspec.prompts import first_turn, load_prompts
+
+    base = spec_steps.draft_sample
+    spec_steps.draft_sample = lambda logits, arrays, positions: base(
+        logits / args.draft_temperature, arrays, positions)
+
+    prompts = []
+    for name in ("humaneval", "mbpp"):
+        records = load_prompts(Path(args.prompts_dir) / f"{name}.jsonl", limit=args.limit)
+        prompts += [first_turn(r) for r in records]
+    llm = LLM(args.target, draft=args.draft, max_lanes=8)
+    ids = [llm.encode_prompt(p, chat=True) for p in prompts]
+    reqs = [llm.make_request(p, SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
+                                               seed=1000 + i), i) for i, p in enumerate(ids)]
+    t = time.time()
+    llm.engine.generate(reqs)
+    steps = [n for r in reqs for n in r.step_tokens]
+    rec = {"target": args.target, "draft": args.draft, "prompts": len(prompts),
+           "max_tokens": args.max_tokens, "temperature": 1.0,
+           "draft_temperature": args.draft_temperature, "verify_steps": len(steps),
+           "tokens": sum(steps), "tau": sum(steps) / len(steps),
+           "tokens_histogram": [steps.count(k) for k in range(1, 9)], "wall_s": time.time() - t,
+           # per prompt, in prompt order: scripts/compare_drafters.paired_tau_ratio pairs two runs
+           "per_request": {"tokens": [sum(r.step_tokens) for r in reqs],
+                           "steps": [len(r.step_tokens) for r in reqs]}}
+    Path(args.out).write_text(json.dumps(rec, indent=1))
+    print(json.dumps({k: v for k, v in rec.items() if k != "per_request"}))
+    return rec
+
+
+if __name__ == "__main__":
+    main()
