@@ -82,8 +82,19 @@ save_state() {
     | split -b 15000000 -d - "$OUT/state.tgz.part"
   ls -la "$OUT"/state.tgz.part*
 }
-# the saved state carried as out/state/: its parts in order (or one state.tgz, as saved before)
-STATE_FILES=$(ls out/state/state.tgz.part* 2>/dev/null || ls out/state/state.tgz 2>/dev/null)
+# the saved state carried as out/state/: its parts in order (or one state.tgz, as saved before), or
+# state.tar.xz, the same files recompressed on the development machine (`cat state.tgz.part* | tar
+# xzf - -C tmp && tar cf - -C tmp . | xz -9 > out/state/state.tar.xz`: 7.7 MB against 24 MB for
+# 2026-12-03's 16,384 + 16,384 replies, so that it travels beside the tracked tree)
+STATE_FILES=$(ls out/state/state.tar.xz 2>/dev/null || ls out/state/state.tgz.part* 2>/dev/null \
+  || ls out/state/state.tgz 2>/dev/null)
+unpack_state() {  # the saved archive's files into $W
+  case "$STATE_FILES" in
+    *.xz) python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
+            "$STATE_FILES" | tar xf - -C "$W" ;;
+    *) cat $STATE_FILES | tar xzf - -C "$W" ;;
+  esac
+}
 case "${1:-}" in
   target)
     if [ "${CONTINUE:-0}" = 1 ] && [ ! -f "$W/target/config.json" ]; then
@@ -101,7 +112,7 @@ case "${1:-}" in
   drafters)
     if [ ! -f "$W/target/config.json" ] && [ -n "$STATE_FILES" ]; then
       # a fresh machine: the prompts and replies an earlier call saved (SAVE_STATE=1), the shipped S
-      mkdir -p "$W" && { cat $STATE_FILES | tar xzf - -C "$W"; } || { echo "out/state: unreadable archive"; exit 2; }
+      mkdir -p "$W" && unpack_state || { echo "out/state: unreadable archive ($STATE_FILES)"; exit 2; }
       cp -r "$(python3 -m jspec.standin path standin --compact)" "$W/target"
       echo "restored $W from out/state: $(ls "$W/data" | tr '\n' ' ')"
     fi
