@@ -68,7 +68,10 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --draft-batch ${DRAFT_BATCH:-8} --draft-steps ${DRAFT_STEPS:-3000} --draft-lr ${DRAFT_LR:-1.5e-3}
         --draft-minutes ${DRAFT_MINUTES:-4.5}
         --compute-dtype bfloat16 --export-dtype float32 --attn cudnn --no-remat --ckpt-every 1000
-        --log-every 20 --quiet)
+        --log-every 20 --quiet --row-chunk ${ROW_CHUNK:-2048})
+# LOSS_REMAT=0: keep the drafter loss chunks' residuals for the backward instead of recomputing
+# them (the same step; more memory, less compute; scripts/profile_drafter_train.py times both)
+[ "${LOSS_REMAT:-1}" = 0 ] && COMMON+=(--no-loss-remat)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 left() { echo $((START + LIMIT - $(date +%s))); }
 # SAVE_STATE=1: the prompts and replies come back as one archive cut into parts of 15 MB,

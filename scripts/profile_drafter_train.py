@@ -74,6 +74,8 @@ def parse_args(argv=None):
                         "as train_standin does)")
     g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--row-chunk", type=int, default=2048, help="drafter loss: block rows per vocabulary chunk")
+    g.add_argument("--loss-remat", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute the loss chunks' vocabulary terms in the backward (train_standin's default)")
     g = ap.add_argument_group("synthetic data")
     g.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
                    help="rows of several sequences with segment ids / positions (pack_reply_arrays, "
@@ -137,6 +139,7 @@ class StepShape:
     markov_rank: int
     attn_impl: str       # the target's: "dense" computes every [S, S] score, "cudnn" the causal half
     remat: bool
+    loss_remat: bool = True
 
     @property
     def block_rows(self) -> int:  # R = B * A * block: the rows of the vocabulary-sized terms
@@ -148,8 +151,8 @@ def step_flops(s: StepShape) -> dict[str, float]:
     step. Matmuls only: the softmax / L1 passes over [R, V] are memory-bound and left out.
     Backward: the target is frozen (no backward); the drafter's ~2x its forward; the vocabulary
     head is frozen too, so the drafter's projection costs one input-gradient GEMM (Markov: 2x).
-    The row chunks of the loss are rematerialised (sum_over_row_chunks), so both vocabulary
-    projections run twice."""
+    With loss_remat (the default) the row chunks of the loss are rematerialised
+    (sum_over_row_chunks), so both vocabulary projections run twice."""
     T, R = s.rows * s.seq_len, s.block_rows
     qd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
     layer_params = s.hidden * (2 * qd + 2 * kvd) + 3 * s.hidden * s.ffn  # q, o, k, v, mlp
@@ -168,7 +171,8 @@ def step_flops(s: StepShape) -> dict[str, float]:
     drafter_fwd = f["drafter_context_fwd"] + f["drafter_layers_fwd"] + f["drafter_block_attention_fwd"]
     f["drafter_bwd"] = 2.0 * drafter_fwd
     f["vocab_drafter_bwd"] = 2.0 * R * s.hidden * s.vocab + 4.0 * R * s.markov_rank * s.vocab
-    f["vocab_recompute"] = f["vocab_drafter_fwd"] + f["vocab_target_fwd"]
+    if s.loss_remat:
+        f["vocab_recompute"] = f["vocab_drafter_fwd"] + f["vocab_target_fwd"]
     if s.remat:
         f["drafter_layers_recompute"] = f["drafter_layers_fwd"] + f["drafter_block_attention_fwd"]
     f["total"] = sum(f.values())
@@ -250,7 +254,8 @@ def make_trainer(args, target, vocab, dcfg):
     return dt.DrafterTrainer(
         target, init_random_drafter(dcfg, seed=args.seed + 1), OptimConfig(DRAFT_STEPS, lr=DRAFT_LR),
         dt.DrafterTrainConfig(num_anchors=args.anchors, loss=loss, compute_dtype=args.compute_dtype,
-                              target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk),
+                              target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk,
+                              loss_remat=args.loss_remat),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
 
 
@@ -367,7 +372,7 @@ def measure_batch(args, target, vocab, dcfg, arrays, batch: int, breakdown: bool
                       ffn=target.cfg.intermediate_size, vocab=target.cfg.vocab_size,
                       target_layers=target.cfg.num_layers, draft_layers=dcfg.layers.num_layers,
                       taps=dcfg.num_taps, markov_rank=dcfg.markov_rank, attn_impl=args.attn,
-                      remat=args.remat)
+                      remat=args.remat, loss_remat=args.loss_remat)
     r["flops"] = step_flops(shape)
     r["tflops_per_s"] = r["flops"]["total"] / (r["step_ms_median"] * 1e-3) / 1e12
     r["tflops_per_s_pipelined"] = r["flops"]["total"] / (r["pipelined_step_ms"] * 1e-3) / 1e12
@@ -564,7 +569,8 @@ def main(argv=None) -> dict:
     rec["drafter"] = {"name": args.drafter, "layers": args.draft_layers, "block_size": dcfg.block_size,
                       "markov_rank": dcfg.markov_rank, "taps": list(dcfg.target_layer_ids)}
     rec["settings"] = {k: getattr(args, k) for k in ("seq_len", "batch_list", "anchors", "compute_dtype",
-                                                     "attn", "remat", "row_chunk", "steps", "packed")}
+                                                     "attn", "remat", "row_chunk", "loss_remat", "steps",
+                                                     "packed")}
     log(f"target loaded ({time.perf_counter() - t0:.1f} s); building the synthetic data pool")
     arrays, rec["data"] = synthetic_pool(args, target_cfg.vocab_size, mask_id, pad_id)
     if rec["data"]["rows"] < max(args.batch_list):

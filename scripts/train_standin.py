@@ -179,6 +179,9 @@ def parse_args(argv=None):
     g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--loss-chunk", type=int, default=4096, help="target CE: tokens per vocabulary chunk")
     g.add_argument("--row-chunk", type=int, default=2048, help="drafter loss: block rows per vocabulary chunk")
+    g.add_argument("--loss-remat", action=argparse.BooleanOptionalAction, default=True,
+                   help="drafter loss: recompute each row chunk's vocabulary-sized terms in the "
+                        "backward (--no-loss-remat keeps them: more memory, less compute)")
     g.add_argument("--ckpt-every", type=int, default=500)
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -500,7 +503,8 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     trainer = DrafterTrainer(
         model, drafter, OptimConfig(args.draft_steps, lr=args.draft_lr, time_boxed=args.draft_time_boxed),
         DrafterTrainConfig(num_anchors=args.anchors, loss=loss_cfg, compute_dtype=args.compute_dtype,
-                           target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk),
+                           target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk,
+                           loss_remat=args.loss_remat),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
     eval_batch = min(args.draft_batch, len(held["tokens"]))
 

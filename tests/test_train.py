@@ -365,6 +365,31 @@ def test_drafter_loss_is_deepspec_objective(random_pair):
                                    (c_star[..., k] * m[..., k]).sum() / m[..., k].sum(), rtol=3e-5)
 
 
+def test_drafter_step_is_the_same_without_loss_remat(random_pair):
+    """loss_remat=False keeps the loss chunks' residuals instead of recomputing them: a memory /
+    compute trade, never a change of the step. Two steps from the same start on the same batch
+    give the same metrics and parameters either way (the chunks are uneven and padded)."""
+    target, drafter, _, _ = random_pair
+    tokens, loss_mask = random_replies(1, [5, 8, 3, 12, 20, 9, 4, 16])
+    batch = {"tokens": tokens, "loss_mask": loss_mask}
+    runs = []
+    for loss_remat in (True, False):
+        cfg = dataclasses.replace(D_TCFG, loss_remat=loss_remat)
+        trainer = DrafterTrainer(target, nnx.clone(drafter), OptimConfig(10, lr=1e-2), cfg, seed=3)
+        start = jax.device_get(trainer.state.params)  # a host copy: the step donates the params
+        for _ in range(2):  # the warm-up's first step has a learning rate of 0
+            metrics = trainer.train_step(batch)
+        runs.append((jax.device_get(metrics), jax.device_get(trainer.state.params), start))
+    (m_remat, p_remat, p_start), (m_kept, p_kept, _) = runs
+    for k in ("loss", "ce", "l1", "conf", "tau_prob"):
+        np.testing.assert_allclose(m_kept[k], m_remat[k], rtol=1e-5, err_msg=k)
+    moved = 0.0
+    for a, b, a0 in zip(jax.tree.leaves(p_kept), jax.tree.leaves(p_remat), jax.tree.leaves(p_start)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        moved = max(moved, float(np.abs(np.asarray(a) - np.asarray(a0)).max()))
+    assert moved > 1e-4  # the step did update the drafter: the comparison is not of two no-ops
+
+
 # ---- drafter training ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

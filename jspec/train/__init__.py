@@ -169,11 +169,13 @@ def run_layers(layers: Sequence[nnx.Module], x_btd: Array, positions_bt: Array,
 # ---- vocabulary-sized terms in row chunks -----------------------------------------------------
 
 def sum_over_row_chunks(fn: Callable[[dict], tuple[dict, dict]], rows: dict[str, Array],
-                        chunk: int) -> tuple[dict, dict]:
+                        chunk: int, remat: bool = True) -> tuple[dict, dict]:
     """fn(rows of one chunk) -> (sums, per_row). Rows are cut into chunks of `chunk` (the last
     padded with zeros: fn must weight its sums so zero rows add nothing); each chunk's [chunk, V]
     logits live only inside a rematerialised scan step, so V-sized tensors never exist for all
-    rows at once. Returns (sums added over chunks, per_row values for the real rows)."""
+    rows at once. `remat=False` keeps each step's residuals for the backward instead of
+    recomputing the step (more memory, less compute; the values and gradients are the same).
+    Returns (sums added over chunks, per_row values for the real rows)."""
     n_rows = jax.tree.leaves(rows)[0].shape[0]
     chunk = max(1, min(chunk, n_rows))
     n_chunks = -(-n_rows // chunk)
@@ -184,7 +186,7 @@ def sum_over_row_chunks(fn: Callable[[dict], tuple[dict, dict]], rows: dict[str,
         return x.reshape((n_chunks, chunk) + x.shape[1:])
 
     chunks = jax.tree.map(split, rows)
-    body = jax.checkpoint(fn)
+    body = jax.checkpoint(fn) if remat else fn
     first = jax.tree.map(lambda x: x[0], chunks)
     sums_shape = jax.eval_shape(body, first)[0]
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)

@@ -66,6 +66,9 @@ class DrafterTrainConfig:
     target_attn_impl: str = "dense"   # the frozen target's forward ("cudnn" on GPU)
     remat: bool = False               # recompute each draft layer in the backward pass
     row_chunk: int = 1024             # block rows per vocabulary-sized chunk
+    # Recompute each chunk's vocabulary-sized terms in the backward pass (memory-lean); False
+    # keeps them (a chunk of R rows holds a few [R, V] fp32 tensors until the backward).
+    loss_remat: bool = True
 
 
 def default_tap_layers(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -249,7 +252,7 @@ def drafter_loss(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, loss_m
     rows = {"h": h_bakd.reshape(-1, D), "th": th_bakd.reshape(-1, D),
             "prev": layout["prev"].reshape(-1), "y": layout["labels"].reshape(-1),
             "w": layout["weights"].reshape(-1)}
-    sums, per_row = sum_over_row_chunks(row_terms, rows, cfg.row_chunk)
+    sums, per_row = sum_over_row_chunks(row_terms, rows, cfg.row_chunk, remat=cfg.loss_remat)
     denom = jnp.maximum(sums["w"], 1e-9)
     ce, l1, conf = sums["ce"] / denom, sums["l1"] / denom, sums["conf"] / denom
     conf_alpha = cfg.loss.conf if drafter.cfg.confidence_head else 0.0
