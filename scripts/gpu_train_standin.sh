@@ -34,10 +34,12 @@
 # to, 4096). PROMPT_SEED (0) draws the training prompts and their replies (the held-out set stays
 # on the run's seed): a session whose replies were lost with its machine draws fresh ones with
 # another value (2026-12-02's third session: 0, 16,384 prompts). REPLY_LANES (256): lanes the
-# engine samples S's replies with (2026-12-02: 10.5 ms per prompt at 256, 9.6 at 512). By count,
-# a drafter step is about 1.6 TFLOP (mostly the 28,672 block rows' two vocabulary projections,
-# drafter and target), so at 8.5 steps/s the H200 did about 14 TFLOP/s: a larger batch may cost
-# little time per step. Not yet measured. DRAFT_LR (1.5e-3) goes with it.
+# engine samples S's replies with (2026-12-02: 10.5 ms per prompt at 256, 9.6 at 512). By the
+# full count of scripts/profile_drafter_train.py (an earlier count here, 1.6 TFLOP, left out the
+# attention), a drafter step is about 5.4 TFLOP at 8 x 2048 with 512 anchors and 7.6 TFLOP at
+# 4 x 4096 with 1,024 anchors, so the H200 did about 46-74 TFLOP/s; about 38 % of the count is the
+# drafter's block attention, which scores every block query against the whole row. Where the
+# time goes is not yet measured (that script, on the GPU, says). DRAFT_LR (1.5e-3) goes with it.
 # Long contexts: the bench's busy prompts hold >= 3,000 tokens, and there the drafter accepted
 # much less (CPU, 2026-12-02: 2.43 tokens per verify step at 82-token prompts, 1.60 at 3,058,
 # while the target's replies grew more predictable). JOINED=SHARE joins that share of the packed
