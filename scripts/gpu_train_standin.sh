@@ -74,6 +74,9 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
 # LOSS_REMAT=0: keep the drafter loss chunks' residuals for the backward instead of recomputing
 # them (the same step; more memory, less compute; scripts/profile_drafter_train.py times both)
 [ "${LOSS_REMAT:-1}" = 0 ] && COMMON+=(--no-loss-remat)
+# BLOCK_ATTN=cudnn: the drafter's block attention as one fused cuDNN attention under a mask
+# (train_standin checks it against the split einsums first and falls back to them)
+[ -n "${BLOCK_ATTN:-}" ] && COMMON+=(--block-attn "$BLOCK_ATTN")
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 left() { echo $((START + LIMIT - $(date +%s))); }
 # SAVE_STATE=1: the prompts and replies come back as one archive cut into parts of 15 MB,

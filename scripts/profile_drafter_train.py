@@ -74,6 +74,8 @@ def parse_args(argv=None):
                         "as train_standin does)")
     g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--row-chunk", type=int, default=2048, help="drafter loss: block rows per vocabulary chunk")
+    g.add_argument("--block-attn", default="split", choices=["split", "cudnn", "xla"],
+                   help="the drafter's block attention in training (DrafterTrainConfig.block_attn_impl)")
     g.add_argument("--loss-remat", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute the loss chunks' vocabulary terms in the backward (train_standin's default)")
     g = ap.add_argument_group("synthetic data")
@@ -140,6 +142,7 @@ class StepShape:
     attn_impl: str       # the target's: "dense" computes every [S, S] score, "cudnn" the causal half
     remat: bool
     loss_remat: bool = True
+    block_attn: str = "split"
 
     @property
     def block_rows(self) -> int:  # R = B * A * block: the rows of the vocabulary-sized terms
@@ -163,8 +166,10 @@ def step_flops(s: StepShape) -> dict[str, float]:
         # fuse the taps [T, taps*D] -> D, then each draft layer's context K/V
         "drafter_context_fwd": 2.0 * T * s.taps * s.hidden * s.hidden + 2.0 * T * s.hidden * 2 * kvd * s.draft_layers,
         "drafter_layers_fwd": 2.0 * R * layer_params * s.draft_layers,
-        # every block query scores all S context keys (masked, not skipped) and its own block
-        "drafter_block_attention_fwd": 4.0 * R * (s.seq_len + s.block) * qd * s.draft_layers,
+        # every block query scores all S context keys (masked, not skipped) and its own block;
+        # the fused (masked) route scores every block's keys too
+        "drafter_block_attention_fwd": 4.0 * R * (s.seq_len + (s.block if s.block_attn == "split"
+                                                              else s.anchors * s.block)) * qd * s.draft_layers,
         "vocab_drafter_fwd": 2.0 * R * s.hidden * s.vocab + 2.0 * R * s.markov_rank * s.vocab,
         "vocab_target_fwd": 2.0 * R * s.hidden * s.vocab,
     }
@@ -255,7 +260,7 @@ def make_trainer(args, target, vocab, dcfg):
         target, init_random_drafter(dcfg, seed=args.seed + 1), OptimConfig(DRAFT_STEPS, lr=DRAFT_LR),
         dt.DrafterTrainConfig(num_anchors=args.anchors, loss=loss, compute_dtype=args.compute_dtype,
                               target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk,
-                              loss_remat=args.loss_remat),
+                              loss_remat=args.loss_remat, block_attn_impl=args.block_attn),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
 
 
@@ -372,7 +377,7 @@ def measure_batch(args, target, vocab, dcfg, arrays, batch: int, breakdown: bool
                       ffn=target.cfg.intermediate_size, vocab=target.cfg.vocab_size,
                       target_layers=target.cfg.num_layers, draft_layers=dcfg.layers.num_layers,
                       taps=dcfg.num_taps, markov_rank=dcfg.markov_rank, attn_impl=args.attn,
-                      remat=args.remat, loss_remat=args.loss_remat)
+                      remat=args.remat, loss_remat=args.loss_remat, block_attn=args.block_attn)
     r["flops"] = step_flops(shape)
     r["tflops_per_s"] = r["flops"]["total"] / (r["step_ms_median"] * 1e-3) / 1e12
     r["tflops_per_s_pipelined"] = r["flops"]["total"] / (r["pipelined_step_ms"] * 1e-3) / 1e12
@@ -569,7 +574,8 @@ def main(argv=None) -> dict:
     rec["drafter"] = {"name": args.drafter, "layers": args.draft_layers, "block_size": dcfg.block_size,
                       "markov_rank": dcfg.markov_rank, "taps": list(dcfg.target_layer_ids)}
     rec["settings"] = {k: getattr(args, k) for k in ("seq_len", "batch_list", "anchors", "compute_dtype",
-                                                     "attn", "remat", "row_chunk", "loss_remat", "steps",
+                                                     "attn", "remat", "row_chunk", "loss_remat",
+                                                     "block_attn", "steps",
                                                      "packed")}
     log(f"target loaded ({time.perf_counter() - t0:.1f} s); building the synthetic data pool")
     arrays, rec["data"] = synthetic_pool(args, target_cfg.vocab_size, mask_id, pad_id)

@@ -179,6 +179,10 @@ def parse_args(argv=None):
     g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--loss-chunk", type=int, default=4096, help="target CE: tokens per vocabulary chunk")
     g.add_argument("--row-chunk", type=int, default=2048, help="drafter loss: block rows per vocabulary chunk")
+    g.add_argument("--block-attn", default="split", choices=["split", "cudnn"],
+                   help="drafter training's block attention: split einsums (scores in HBM) or one "
+                        "fused cuDNN attention under a mask (checked against split first; falls "
+                        "back to split where it does not run or differs)")
     g.add_argument("--loss-remat", action=argparse.BooleanOptionalAction, default=True,
                    help="drafter loss: recompute each row chunk's vocabulary-sized terms in the "
                         "backward (--no-loss-remat keeps them: more memory, less compute)")
@@ -370,6 +374,20 @@ def cudnn_attention_works(segments: bool = False) -> bool:
         return False
 
 
+def cudnn_block_attention_works() -> bool:
+    """The drafter's block attention fused on cuDNN runs here and matches the split einsums."""
+    from jspec.train.drafter import block_attention_gap
+    try:
+        err = block_attention_gap("cudnn")
+    except Exception as e:  # no GPU, old cuDNN, unsupported shape: say why and fall back
+        log(f"cuDNN block attention check failed: {type(e).__name__}: {str(e)[:200]}")
+        return False
+    if not err < 3e-2:
+        log(f"cuDNN block attention differs from the split one by {err}: using split")
+        return False
+    return True
+
+
 def stage_prompts(args, out: Path, tok, train_texts, held_texts, train_docs, held_docs):
     """Training prompts (half chat-form function tasks of training files, half windows of
     training documents) and held-out prompts (chat tasks of held-out files, else windows of
@@ -504,7 +522,7 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
         model, drafter, OptimConfig(args.draft_steps, lr=args.draft_lr, time_boxed=args.draft_time_boxed),
         DrafterTrainConfig(num_anchors=args.anchors, loss=loss_cfg, compute_dtype=args.compute_dtype,
                            target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk,
-                           loss_remat=args.loss_remat),
+                           loss_remat=args.loss_remat, block_attn_impl=args.block_attn),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
     eval_batch = min(args.draft_batch, len(held["tokens"]))
 
@@ -738,6 +756,8 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
     from jspec.train.drafter import drafter_config
     if args.attn == "cudnn" and not cudnn_attention_works(segments=args.pack_replies):
         args.attn = "dense"
+    if args.block_attn == "cudnn" and not cudnn_block_attention_works():
+        args.block_attn = "split"
     rows_of = vocab.docs_to_rows if vocab else (lambda docs: docs)
     if args.joined_rows and not args.pack_replies:
         raise SystemExit("--joined-rows needs --pack-replies")

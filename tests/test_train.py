@@ -561,6 +561,77 @@ def test_cudnn_segment_attention_matches_dense():
     assert segment_attention_gap("cudnn") < 3e-2
 
 
+def test_masked_block_attention_sees_exactly_the_split_keys():
+    """The fused route's formulation (keys [context; every block] under one mask, here on XLA)
+    equals the split block attention, and a block's queries read only the keys they may: moving
+    another block's keys, or context keys past the anchor or of another sequence, changes
+    nothing; moving a visible context key does."""
+    from jspec.train.drafter import block_attention, block_attention_gap
+    assert block_attention_gap("xla", dtype=jnp.float32) < 1e-5
+    B, S, A, blk, Hkv, g, hd = 1, 12, 3, 4, 1, 2, 8
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    q = jax.random.normal(keys[0], (B, A * blk, Hkv * g, hd))
+    k, v = (jax.random.normal(kx, (B, A * blk, Hkv, hd)) for kx in keys[1:3])
+    k_ctx, v_ctx = (jax.random.normal(kx, (B, S, Hkv, hd)) for kx in keys[3:5])
+    sees = np.zeros((B, A, S), bool)
+    sees[0, 0, 2:6] = True  # block 0: its sequence starts at 2, its anchor is at 6
+    sees[0, 1, :3] = True
+    sees[0, 2, 7:11] = True
+
+    def out(k_ctx=k_ctx, k=k):
+        att = block_attention([(k_ctx, v_ctx)], jnp.asarray(sees), blk, "xla")
+        return np.asarray(att(0, q, k, v, None)[0])[0, :blk]  # block 0's queries
+
+    base = out()
+    np.testing.assert_allclose(base, np.asarray(block_attention([(k_ctx, v_ctx)], jnp.asarray(sees),
+                                                                blk, "split")(0, q, k, v, None)[0])[0, :blk],
+                               atol=1e-5)
+    np.testing.assert_array_equal(out(k=k.at[:, blk:].add(3.0)), base)  # other blocks' keys
+    np.testing.assert_array_equal(out(k_ctx=k_ctx.at[:, 6:].add(3.0)), base)  # at / past the anchor
+    np.testing.assert_array_equal(out(k_ctx=k_ctx.at[:, :2].add(3.0)), base)  # another sequence
+    assert np.abs(out(k_ctx=k_ctx.at[:, 4].add(3.0)) - base).max() > 1e-3  # a visible key
+    assert np.abs(out(k=k.at[:, 1].add(3.0)) - base).max() > 1e-3  # its own block's key
+
+
+def test_block_attention_gap_sees_a_wrong_mask(monkeypatch):
+    """The check train_standin runs before "cudnn": a masked route that lets every query see the
+    whole context (no anchor, no sequence) is caught."""
+    import jspec.train.drafter as drafter_mod
+    real = drafter_mod._masked_block_attention
+    monkeypatch.setattr(drafter_mod, "_masked_block_attention",
+                        lambda ctx_kv, sees, block, impl: real(ctx_kv, jnp.ones_like(sees), block, impl))
+    assert drafter_mod.block_attention_gap("xla", dtype=jnp.float32) > 0.1
+
+
+def test_training_block_logits_are_the_same_on_the_masked_route(random_pair):
+    """Packed rows (two sequences a row, a dummy anchor) through the whole training forward: the
+    masked block attention gives the split one's logits."""
+    target, drafter, block_logits, _ = random_pair
+    masked = jitted(functools.partial(training_block_logits, block_attn_impl="xla"), target, drafter)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, 60, n).tolist() for n in (4, 0, 3, 5)]
+    replies = [rng.integers(2, 60, n).tolist() for n in (9, 6, 10, 8)]
+    packed = pack_reply_arrays(prompts, replies, SEQ, pad_id=0)
+    rows = packed["tokens"].shape[0]
+    anchors = np.tile(np.array([3, 8, 12, 16, 20, 25], np.int32), (rows, 1))
+    keep = np.ones_like(anchors, bool)
+    keep[:, -1] = False
+    args = [jnp.asarray(x) for x in (packed["tokens"], packed["loss_mask"], anchors, keep,
+                                     packed["segment_ids"], packed["positions"])]
+    split_logits, split_conf, _ = block_logits(*args)
+    masked_logits, masked_conf, _ = masked(*args)
+    scale = float(jnp.abs(split_logits).max())
+    np.testing.assert_allclose(np.asarray(masked_logits), np.asarray(split_logits), atol=2e-5 * scale)
+    np.testing.assert_allclose(np.asarray(masked_conf), np.asarray(split_conf), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cudnn_block_attention_matches_split():
+    """The drafter's block attention fused on cuDNN against the split einsums (bf16)."""
+    from jspec.train.drafter import block_attention_gap
+    assert block_attention_gap("cudnn") < 3e-2
+
+
 def test_segment_attention_gap_sees_a_wrong_mask(monkeypatch):
     """The check itself: dense against dense is 0; attention that ignores the segments (causal
     over the whole row) is caught."""

@@ -58,6 +58,9 @@ DFLASH_LOSS = DrafterLossConfig(ce=1.0, l1=0.0, conf=0.0)
 DSPARK_CE_LOSS = DrafterLossConfig(ce=1.0, l1=0.0, conf=1.0)
 
 
+BLOCK_ATTN_IMPLS = ("split", "cudnn", "xla")  # block_attention's routes
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterTrainConfig:
     num_anchors: int = 512
@@ -69,6 +72,16 @@ class DrafterTrainConfig:
     # Recompute each chunk's vocabulary-sized terms in the backward pass (memory-lean); False
     # keeps them (a chunk of R rows holds a few [R, V] fp32 tensors until the backward).
     loss_remat: bool = True
+    # The drafter's block attention in training (block_attention): "split" scores each block
+    # against the context and its own block as two einsums (the [.., A, block, S] scores live in
+    # HBM); "cudnn" runs one fused attention over [context; every block] under a mask (GPU; more
+    # FLOPs, no materialised scores); "xla" is that same masked formulation on XLA (its twin).
+    block_attn_impl: str = "split"
+
+    def __post_init__(self):
+        if self.block_attn_impl not in BLOCK_ATTN_IMPLS:
+            raise ValueError(f"block_attn_impl {self.block_attn_impl!r}: expected one of "
+                             f"{BLOCK_ATTN_IMPLS}")
 
 
 def default_tap_layers(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -138,11 +151,19 @@ def block_layout(tokens_bs: Array, loss_mask_bs: Array, anchors_ba: Array, keep_
             "sees_ctx": sees_ctx_bas}
 
 
-def block_attention(ctx_kv: list[tuple[Array, Array]], sees_ctx_bas: Array, block: int):
+def block_attention(ctx_kv: list[tuple[Array, Array]], sees_ctx_bas: Array, block: int,
+                    impl: str = "split"):
     """Attention of the flattened blocks [B, A*block]: a query of a block sees the context keys
-    its block may (sees_ctx [B, A, S]) and its own block's keys, nothing else. Computed as the
-    two parts, context [.., S] and own block [.., block], under one softmax, so the keys of the
-    other blocks (which every query would mask) cost nothing."""
+    its block may (sees_ctx [B, A, S]) and its own block's keys, nothing else.
+
+    "split": the two parts, context [.., S] and own block [.., block], under one softmax, so the
+    keys of the other blocks (which every query would mask) cost nothing, but the context scores
+    are materialised. "cudnn" / "xla": one attention over the keys [context; all blocks] with a
+    mask [B, 1, A*block, S + A*block] built once per forward (fused on cuDNN)."""
+    if impl not in BLOCK_ATTN_IMPLS:
+        raise ValueError(f"block attention impl {impl!r}: expected one of {BLOCK_ATTN_IMPLS}")
+    if impl != "split":
+        return _masked_block_attention(ctx_kv, sees_ctx_bas, block, impl)
 
     def attend(layer_idx, q, k, v, cache):
         B, Q, Hq, hd = q.shape
@@ -167,12 +188,51 @@ def block_attention(ctx_kv: list[tuple[Array, Array]], sees_ctx_bas: Array, bloc
     return attend
 
 
+def _masked_block_attention(ctx_kv: list[tuple[Array, Array]], sees_ctx_bas: Array, block: int,
+                            implementation: str):
+    B, A, S = sees_ctx_bas.shape
+    Q = A * block
+    block_of_q = jnp.arange(Q) // block
+    mask_bqk = jnp.concatenate(  # a query sees its block's context keys, then its own block
+        [jnp.repeat(sees_ctx_bas, block, axis=1),
+         jnp.broadcast_to(block_of_q[:, None] == block_of_q[None, :], (B, Q, Q))], axis=-1)
+
+    def attend(layer_idx, q, k, v, cache):
+        k_ctx, v_ctx = (x.astype(k.dtype) for x in ctx_kv[layer_idx])
+        k_all, v_all = jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1)
+        out = jax.nn.dot_product_attention(q, k_all, v_all, mask=mask_bqk[:, None],
+                                           implementation=implementation)
+        return out.astype(q.dtype), cache
+
+    return attend
+
+
+def block_attention_gap(impl: str = "cudnn", seq: int = 256, anchors: int = 16, block: int = 7,
+                        dtype=jnp.bfloat16) -> float:
+    """Largest difference between `impl`'s block attention and the split one on random inputs
+    shaped like a packed training row (two sequences; anchors in both, one with no context; GQA
+    group 2, head dim 128): the check train_standin runs before it trains on "cudnn"."""
+    B, Hkv, group, hd, Q = 2, 2, 2, 128, anchors * block
+    kq, kk, kv, kc, kw, ka = jax.random.split(jax.random.PRNGKey(0), 6)
+    q = jax.random.normal(kq, (B, Q, Hkv * group, hd), dtype)
+    k, v = (jax.random.normal(kx, (B, Q, Hkv, hd), dtype) for kx in (kk, kv))
+    ctx_kv = [tuple(jax.random.normal(kx, (B, seq, Hkv, hd), dtype) for kx in (kc, kw))]
+    anchors_ba = jnp.sort(jax.random.randint(ka, (B, anchors), 0, seq), axis=-1).at[:, 0].set(0)
+    seg_bs = (jnp.arange(seq) >= seq // 3).astype(jnp.int32)[None].repeat(B, 0)
+    seg_ba = jnp.take_along_axis(seg_bs, anchors_ba, 1)
+    sees_bas = (jnp.arange(seq) < anchors_ba[..., None]) & (seg_bs[:, None, :] == seg_ba[..., None])
+    run = lambda name: jax.jit(lambda q, k, v: block_attention(ctx_kv, sees_bas, block, name)(
+        0, q, k, v, None)[0])(q, k, v).astype(jnp.float32)
+    return float(jnp.abs(run(impl) - run("split")).max())
+
+
 # ---- the training forward -------------------------------------------------------------------------
 
 def draft_hidden(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, anchors_ba: Array,
                  layout: dict[str, Array], *, target_attn_impl: str = "dense",
                  remat: bool = False, segment_ids_bs: Array | None = None,
-                 positions_bs: Array | None = None) -> tuple[Array, Array]:
+                 positions_bs: Array | None = None, block_attn_impl: str = "split"
+                 ) -> tuple[Array, Array]:
     """(draft final-normed hidden, target final-normed hidden at each row's target_index), both
     [B, A, block, D]. The target is frozen: no gradient reaches it. Packed rows pass their
     segment ids and positions (the target then attends within each sequence)."""
@@ -185,7 +245,7 @@ def draft_hidden(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, anchor
                                       positions_bt=positions_bs, segment_ids_bt=segment_ids_bs)
     hidden_bsd, taps = jax.lax.stop_gradient((hidden_bsd, taps))
     ctx_kv = drafter.context_kv(drafter.fuse(taps), positions_bs)
-    attention = block_attention(ctx_kv, layout["sees_ctx"], blk)
+    attention = block_attention(ctx_kv, layout["sees_ctx"], blk, block_attn_impl)
     block_emb = jax.lax.stop_gradient(target.embed(layout["block_tokens"].reshape(B, A * blk)))
     positions = layout["positions"].reshape(B, A * blk)
     if remat:
@@ -205,14 +265,15 @@ def draft_logits(drafter: DSparkDrafter, head_vd: Array, hidden: Array, prev: Ar
 
 def training_block_logits(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array,
                           loss_mask_bs: Array, anchors_ba: Array, keep_ba: Array,
-                          segment_ids_bs: Array | None = None, positions_bs: Array | None = None
-                          ) -> tuple[Array, Array, dict]:
+                          segment_ids_bs: Array | None = None, positions_bs: Array | None = None,
+                          block_attn_impl: str = "split") -> tuple[Array, Array, dict]:
     """The training forward's teacher-forced draft logits [B, A, block, V] and confidence logits
     [B, A, block] for given anchors (whole-vocabulary tensors: for tests and small diagnostics)."""
     layout = block_layout(tokens_bs, loss_mask_bs, anchors_ba, keep_ba, drafter.cfg, 4.0,
                           segment_ids_bs, positions_bs)
     h, _ = draft_hidden(target, drafter, tokens_bs, anchors_ba, layout,
-                        segment_ids_bs=segment_ids_bs, positions_bs=positions_bs)
+                        segment_ids_bs=segment_ids_bs, positions_bs=positions_bs,
+                        block_attn_impl=block_attn_impl)
     return (draft_logits(drafter, target.head_weight(), h, layout["prev"]),
             drafter.confidence_logits(h, layout["prev"]), layout)
 
@@ -231,7 +292,8 @@ def drafter_loss(target: Qwen3, drafter: DSparkDrafter, tokens_bs: Array, loss_m
                           segment_ids_bs, positions_bs)
     h_bakd, th_bakd = draft_hidden(target, drafter, tokens_bs, anchors_ba, layout,
                                    target_attn_impl=cfg.target_attn_impl, remat=cfg.remat,
-                                   segment_ids_bs=segment_ids_bs, positions_bs=positions_bs)
+                                   segment_ids_bs=segment_ids_bs, positions_bs=positions_bs,
+                                   block_attn_impl=cfg.block_attn_impl)
     head_vd = jax.lax.stop_gradient(target.head_weight())
     D = h_bakd.shape[-1]
 
