@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def main(argv=None) -> dict:
@@ -40,23 +41,17 @@ def main(argv=None) -> dict:
         ap.error(f"--draft-temperature must be > 0, got {args.draft_temperature}")
 
     import jspec.spec_steps as spec_steps
-    from jspec import LLM, SamplingParams
-    from jspec.prompts import first_turn, load_prompts
+    from jspec import LLM
+    from verify_gate_acceptance import code_first_turns, generate_t1
 
     base = spec_steps.draft_sample
     spec_steps.draft_sample = lambda logits, arrays, positions: base(
         logits / args.draft_temperature, arrays, positions)
 
-    prompts = []
-    for name in ("humaneval", "mbpp"):
-        records = load_prompts(Path(args.prompts_dir) / f"{name}.jsonl", limit=args.limit)
-        prompts += [first_turn(r) for r in records]
+    prompts = code_first_turns(args.prompts_dir, args.limit)
     llm = LLM(args.target, draft=args.draft, max_lanes=8)
-    ids = [llm.encode_prompt(p, chat=True) for p in prompts]
-    reqs = [llm.make_request(p, SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
-                                               seed=1000 + i), i) for i, p in enumerate(ids)]
     t = time.time()
-    llm.engine.generate(reqs)
+    reqs = generate_t1(llm, prompts, args.max_tokens)
     steps = [n for r in reqs for n in r.step_tokens]
     rec = {"target": args.target, "draft": args.draft, "prompts": len(prompts),
            "max_tokens": args.max_tokens, "temperature": 1.0,

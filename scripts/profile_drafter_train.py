@@ -258,9 +258,7 @@ def make_trainer(args, target, vocab, dcfg):
     loss = getattr(dt, ts.DRAFTERS[args.drafter][1])
     return dt.DrafterTrainer(
         target, init_random_drafter(dcfg, seed=args.seed + 1), OptimConfig(DRAFT_STEPS, lr=DRAFT_LR),
-        dt.DrafterTrainConfig(num_anchors=args.anchors, loss=loss, compute_dtype=args.compute_dtype,
-                              target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk,
-                              loss_remat=args.loss_remat, block_attn_impl=args.block_attn),
+        ts.drafter_train_config(args, loss),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
 
 

@@ -500,6 +500,14 @@ def stage_replies(args, out: Path, model, prompts, eos_ids, full_dir: Path | Non
     return train, sets["replies_eval"], sets.get("replies_eval_t1")
 
 
+def drafter_train_config(args, loss_cfg):
+    """The drafter step's configuration from the command line (also scripts/profile_drafter_train.py's)."""
+    from jspec.train.drafter import DrafterTrainConfig
+    return DrafterTrainConfig(num_anchors=args.anchors, loss=loss_cfg, compute_dtype=args.compute_dtype,
+                              target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk,
+                              loss_remat=args.loss_remat, block_attn_impl=args.block_attn)
+
+
 def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held, held_t1, vocab):
     """Train one drafter (resuming) and export it. Evaluated on the held-out greedy replies and,
     when given, the held-out T = 1 replies (metrics prefixed t1_): the greedy set flatters
@@ -508,7 +516,7 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     from jspec.train import OptimConfig
     from jspec.train.checkpointing import CheckpointManager, LossLog, export_drafter, fit, resume
     from jspec.train.data import batch_source
-    from jspec.train.drafter import DrafterTrainConfig, DrafterTrainer
+    from jspec.train.drafter import DrafterTrainer
 
     export = out / name
     if (export / "config.json").is_file():
@@ -520,9 +528,7 @@ def stage_drafter(args, out: Path, name: str, model, dcfg, loss_cfg, train, held
     drafter = init_random_drafter(dcfg, seed=args.seed + 1) if init is None else initial_drafter(init, dcfg, model)
     trainer = DrafterTrainer(
         model, drafter, OptimConfig(args.draft_steps, lr=args.draft_lr, time_boxed=args.draft_time_boxed),
-        DrafterTrainConfig(num_anchors=args.anchors, loss=loss_cfg, compute_dtype=args.compute_dtype,
-                           target_attn_impl=args.attn, remat=args.remat, row_chunk=args.row_chunk,
-                           loss_remat=args.loss_remat, block_attn_impl=args.block_attn),
+        drafter_train_config(args, loss_cfg),
         seed=args.seed, logit_bias=None if vocab is None else vocab.log_multiplicity())
     eval_batch = min(args.draft_batch, len(held["tokens"]))
 

@@ -40,6 +40,23 @@ def estimate(record: dict, cost: dict, lanes: int, context: int) -> dict | None:
             "iteration_ms": rows_cost[at], "tokens_per_ms": record["tau"] / rows_cost[at]}
 
 
+def code_first_turns(prompts_dir: str, limit: int) -> list[str]:
+    """The first `limit` HumanEval and MBPP first turns (the issue's code prompts)."""
+    from jspec.prompts import first_turn, load_prompts
+    return [first_turn(r) for name in ("humaneval", "mbpp")
+            for r in load_prompts(Path(prompts_dir) / f"{name}.jsonl", limit=limit)]
+
+
+def generate_t1(llm, prompts: list[str], max_tokens: int) -> list:
+    """Every prompt in the chat template at T = 1, seeds 1000 + i: the requests, after the run."""
+    from jspec import SamplingParams
+    ids = [llm.encode_prompt(p, chat=True) for p in prompts]
+    reqs = [llm.make_request(p, SamplingParams(temperature=1.0, max_tokens=max_tokens,
+                                               seed=1000 + i), i) for i, p in enumerate(ids)]
+    llm.engine.generate(reqs)
+    return reqs
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,24 +74,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
-    from jspec import LLM, SamplingParams
-    from jspec.prompts import first_turn, load_prompts
+    from jspec import LLM
 
-    prompts = []
-    for name in ("humaneval", "mbpp"):
-        records = load_prompts(Path(args.prompts_dir) / f"{name}.jsonl", limit=args.limit)
-        prompts += [first_turn(r) for r in records]
+    prompts = code_first_turns(args.prompts_dir, args.limit)
     rec = {"target": args.target, "draft": args.draft, "prompts": len(prompts),
            "max_tokens": args.max_tokens, "temperature": 1.0, "runs": []}
     cost = json.loads(Path(args.cost).read_text()) if args.cost else None
     for threshold in [float(t) for t in args.thresholds.split(",")]:
         llm = LLM(args.target, draft=args.draft, max_lanes=args.lanes_engine,
                   verify_threshold=threshold)
-        ids = [llm.encode_prompt(p, chat=True) for p in prompts]
-        reqs = [llm.make_request(p, SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
-                                                   seed=1000 + i), i) for i, p in enumerate(ids)]
         t = time.time()
-        llm.engine.generate(reqs)
+        reqs = generate_t1(llm, prompts, args.max_tokens)
         steps = [n for r in reqs for n in r.step_tokens]
         drafts = [d for r in reqs for d in r.step_drafts]
         run = {"threshold": threshold, "verify_steps": len(steps), "tokens": sum(steps),
