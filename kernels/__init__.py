@@ -36,8 +36,33 @@ performance on a real TPU are unchecked, so impl="auto" on a TPU still uses the 
 impl="pallas_tpu" off a TPU raises unless JSPEC_PALLAS_TPU_INTERPRET=1 (interpret mode, slow).
 """
 
-from jspec.kernels.kv_cache_write import write_kv
-from jspec.kernels.ragged_paged_attention import (ragged_paged_attention,
-                                                  ragged_paged_attention_xla)
+
+
+def _hand_over_to_hub_kernels():
+    """This directory ships as `jspec.kernels`, but `python -m ...` run from the repo root puts the
+    root on sys.path, where `kernels/` would shadow Hugging Face's `kernels` package (a dependency
+    of transformers >= 5.2x, which imports it at start-up). Load that package in our place."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    others = [p for p in sys.path if os.path.abspath(p or os.curdir) != repo_root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", others)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"`import kernels` found jspec's {os.path.dirname(os.path.abspath(__file__))}"
+                          " (import it as jspec.kernels) and no other package named `kernels`")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # the import statement returns what sys.modules holds
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _hand_over_to_hub_kernels()
+else:
+    from jspec.kernels.kv_cache_write import write_kv
+    from jspec.kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                      ragged_paged_attention_xla)
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_xla", "write_kv"]
