@@ -67,7 +67,7 @@ class LLM:
                  decode_steps: int | None = None, prefill_chunk: int = 256, attn_impl: str = "auto",
                  batch_invariant: bool = False, draft_kv_dtype: str | None = None,
                  draft_vocab: int | None = None, verify_threshold: float = 0.0,
-                 progress: bool = False):
+                 verify_rule: str = "block", progress: bool = False):
         """`draft`: a DSpark / DFlash drafter directory for `model`; speculative decoding then
         proposes `num_draft_tokens` (default: the drafter's block size) tokens per step.
         `batch_invariant` (GPU): the target's matmuls and attention through batch-invariant
@@ -79,7 +79,10 @@ class LLM:
         drafter directory's draft_vocab.json (jspec/draft_vocab.py; the same: acceptance only).
         `verify_threshold`: DSpark's prefix rule; each step verifies only the drafts whose
         cumulative confidence stays >= it, so a busy engine verifies fewer rows (lossless; 0,
-        the default, verifies every draft; needs a drafter with a confidence head)."""
+        the default, verifies every draft; needs a drafter with a confidence head).
+        `verify_rule`: "block" (block verification, the default: the accept length decided from
+        the whole block, never fewer accepted drafts in expectation) or "token" (draft by
+        draft); both keep the target's distribution exactly (jspec/rejection.py)."""
         from jspec.loading import load_drafter, load_model
         from jspec.tokenizer import Tokenizer
 
@@ -114,7 +117,7 @@ class LLM:
             max_lanes=max_lanes, page_size=page_size, max_context=max_context, num_pages=num_pages,
             prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl,
             batch_invariant=batch_invariant, draft_kv_dtype=draft_kv_dtype,
-            draft_vocab=draft_vocab, verify_threshold=verify_threshold),
+            draft_vocab=draft_vocab, verify_threshold=verify_threshold, verify_rule=verify_rule),
             drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens,
             draft_vocab_ids=ranked)
         self._seeds = np.random.default_rng()

@@ -36,7 +36,8 @@ def _cmd_generate(args) -> int:
     llm = LLM(args.model, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
               max_lanes=args.max_lanes, max_context=args.max_context, attn_impl=args.attn_impl,
               batch_invariant=args.batch_invariant, draft_kv_dtype=args.draft_kv_dtype,
-              draft_vocab=args.draft_vocab, verify_threshold=args.verify_threshold)
+              draft_vocab=args.draft_vocab, verify_threshold=args.verify_threshold,
+              verify_rule=args.verify_rule)
     stream = not args.json and len(prompts) == 1
 
     def on_text(i, text):
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-threshold", type=float, default=0.0, metavar="T", help="with a "
                    "DSpark --draft: verify only the drafts whose cumulative confidence stays >= T "
                    "(0, the default: every draft); fewer verify rows, the same output law")
+    p.add_argument("--verify-rule", default="block", choices=["block", "token"], help="with "
+                   "--draft: decide the accept length by block verification (the default; never "
+                   "fewer accepted drafts in expectation) or draft by draft; both lossless")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=_cmd_generate)
 

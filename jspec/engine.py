@@ -32,6 +32,7 @@ from jspec.draft_vocab import DraftVocab, choose_ids
 from jspec.kernels.linear import check_impl
 from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
 from jspec.qwen3 import Qwen3, fuse_projections
+from jspec.rejection import VERIFY_RULES
 from jspec.sampling import SamplingArrays
 from jspec.steps import DecodeState, StockPrograms
 
@@ -148,6 +149,10 @@ class EngineConfig:
     # count that holds the lanes' rows. Lossless at any value; 0 verifies every draft (the
     # programs of before). Needs a drafter with a confidence head; a stock engine ignores it.
     verify_threshold: float = 0.0
+    # How the verifier decides the accept length (jspec/rejection.py): "block" (block
+    # verification: the whole block at once; never fewer accepted drafts in expectation) or
+    # "token" (draft by draft). Both are lossless. A stock engine ignores it.
+    verify_rule: str = "block"
 
     # Positions a step may write past the committed length (verify writes K+1); set by Engine.
     step_width: int = 1
@@ -162,6 +167,8 @@ class EngineConfig:
         if self.invariant_prefill and not self.batch_invariant:
             raise ValueError("invariant_prefill needs batch_invariant (without it every route is "
                              "XLA's)")
+        if self.verify_rule not in VERIFY_RULES:
+            raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, got {self.verify_rule!r}")
         if not 0.0 <= self.verify_threshold < 1.0:
             raise ValueError(f"verify_threshold must be in [0, 1) (0: verify every draft), got "
                              f"{self.verify_threshold}")
@@ -257,7 +264,7 @@ class Engine:
                                             engine_cfg.page_size, self.eos_ids,
                                             attn_impl, self.num_draft, engine_cfg.device_loop,
                                             float(engine_cfg.verify_threshold),
-                                            prefill_graphdef)
+                                            prefill_graphdef, engine_cfg.verify_rule)
         self.lanes: list[Request | None] = [None] * engine_cfg.max_lanes
         self._admissions = itertools.count(1)
         self.stats = collections.Counter()

@@ -68,6 +68,7 @@ PURPOSE_SAMPLE = 0  # plain (non-speculative) decode of the token at `position`
 PURPOSE_DRAFT = 1  # the drafter's proposal for the token at `position`
 PURPOSE_ACCEPT = 2  # the acceptance uniform of the draft at `position`
 PURPOSE_RESIDUAL = 3  # the verifier's own token at `position`: residual or bonus
+PURPOSE_BLOCK_ACCEPT = 4  # block verification's uniform for the draft at `position` (per round)
 
 _MAX_SEED = 2**32
 
@@ -426,6 +427,19 @@ def token_keys(seeds, positions, purpose):
     return flat.reshape(positions.shape)
 
 
+def round_token_keys(seeds, positions, purpose, round_starts):
+    """`token_keys` made fresh per speculative round: round_starts [B] (the round's first
+    position, unique per round of a request) is folded in too. Block verification needs this:
+    its accept length depends on every draft and uniform of the round, also those past the
+    tokens it emits, and the next round drafts those positions again."""
+    keys = token_keys(seeds, positions, purpose)
+    starts = jnp.asarray(round_starts)
+    starts = starts.reshape(starts.shape + (1,) * (keys.ndim - starts.ndim))
+    starts = jnp.broadcast_to(starts, keys.shape).astype(jnp.uint32)
+    flat = jax.vmap(jax.random.fold_in)(keys.reshape(-1), starts.reshape(-1))
+    return flat.reshape(keys.shape)
+
+
 def gumbel_noise(keys, vocab: int):
     """Standard Gumbel noise [*keys.shape, vocab] in fp32, one independent row per key."""
     flat = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys.reshape(-1))
@@ -455,15 +469,20 @@ def sample(logits, arrays: SamplingArrays, positions, purpose=PURPOSE_SAMPLE):
 
 
 @jax.jit
-def draft_sample(logits, arrays: SamplingArrays, positions):
+def draft_sample(logits, arrays: SamplingArrays, positions, round_start=None):
     """The drafter's step: (tokens [B] int32, q_logprobs [B, V] f32).
 
     logits [B, V] are the drafter's corrected logits (for DSpark: base + Markov bias of the
     *sampled* previous token, before temperature). positions [B] is the absolute position of
     the token being drafted. Stack the returned q rows into rejection_sample's draft_logprobs:
-    they are exactly the law each draft was drawn from.
+    they are exactly the law each draft was drawn from. round_start [B] (the round's first
+    position) makes the keys fresh per round, as block verification needs (round_token_keys).
     """
     q_logprobs = process(logits, arrays)
-    tokens = sample_from_logprobs(q_logprobs, token_keys(arrays.seed, positions, PURPOSE_DRAFT))
+    if round_start is None:
+        keys = token_keys(arrays.seed, positions, PURPOSE_DRAFT)
+    else:
+        keys = round_token_keys(arrays.seed, positions, PURPOSE_DRAFT, round_start)
+    tokens = sample_from_logprobs(q_logprobs, keys)
     tokens = jnp.where(arrays.greedy, jnp.argmax(q_logprobs, axis=-1).astype(jnp.int32), tokens)
     return tokens, q_logprobs

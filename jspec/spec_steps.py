@@ -10,7 +10,8 @@ anchor token (committed, not yet seen by the target) sits at s:
           length (s..s+K-1) and attended with no causal mask; U = lm_head(h); the Markov head
           samples x_1..x_K left to right, q_k recorded exactly as sampled.
   verify  the target over [anchor, x_1..x_K] at s..s+K (q_len K+1), with the taps.
-  accept  lossless rejection sampling: a accepted drafts + 1 replacement/bonus token.
+  accept  lossless rejection sampling: a accepted drafts + 1 replacement/bonus token, the accept
+          length decided by block verification or draft by draft (verify_rule, rejection.py).
   commit  the drafter's context K/V for s..s+K from the taps (rows past s+a are rewritten next
           round before anything reads them); the new length is s+a+1 (rejection only rewinds
           the length; nothing is copied); EOS / max-tokens truncation on device.
@@ -39,7 +40,7 @@ from jspec.dspark import DSparkConfig, DSparkDrafter
 from jspec.kernels.kv_cache_write import write_kv
 from jspec.paged_cache import NULL_PAGE
 from jspec.qwen3 import Qwen3
-from jspec.rejection import rejection_sample
+from jspec.rejection import VERIFY_RULES, rejection_sample
 from jspec.sampling import SamplingArrays, draft_sample
 from jspec.steps import (DecodeState, Programs, paged_attention, prefill_layout,
                          sample_after_chunk, slots_for, token_logprobs)
@@ -91,7 +92,7 @@ class SpecPrograms(Programs):
     def __init__(self, target_graphdef, draft_graphdef, dcfg: DSparkConfig, page_size: int,
                  eos_ids: tuple[int, ...], attn_impl: str = "auto", num_draft: int | None = None,
                  device_loop: bool = False, verify_threshold: float = 0.0,
-                 prefill_graphdef=None):
+                 prefill_graphdef=None, verify_rule: str = "block"):
         self.tg, self.dg, self.dcfg = target_graphdef, draft_graphdef, dcfg
         # The target as prefill runs it (StockPrograms says why it may differ).
         self.prefill_tg = prefill_graphdef or target_graphdef
@@ -103,6 +104,9 @@ class SpecPrograms(Programs):
                              f"block size), got {self.k}")
         check_confidence_head(verify_threshold, dcfg)
         self.verify_threshold = float(verify_threshold)
+        if verify_rule not in VERIFY_RULES:
+            raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, got {verify_rule!r}")
+        self.verify_rule = verify_rule
         super().__init__(page_size, eos_ids, attn_impl, device_loop)
 
     def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
@@ -161,10 +165,12 @@ class SpecPrograms(Programs):
                                   preferred_element_type=jnp.float32)
         w2_rows = None if vocab is None else vocab.markov_w2
         prev = state.tokens
+        # Block verification's outcome reads every draft, so its drafts' keys are fresh per round.
+        round_start = s_b + 1 if self.verify_rule == "block" else None
         tokens, q_logprobs = [], []
         for k in range(self.k):  # the Markov chain: each step conditions on the sampled previous token
             logits_bv = base_bkv[:, k] + drafter.markov_bias(prev, hidden_bkd[:, k], w2_rows)
-            x_b, q_bv = draft_sample(logits_bv, state.sampling, s_b + k + 1)
+            x_b, q_bv = draft_sample(logits_bv, state.sampling, s_b + k + 1, round_start)
             if vocab is not None:
                 x_b, q_bv = vocab.ids[x_b], vocab.scatter(q_bv, target.cfg.vocab_size)
             tokens.append(x_b)
@@ -250,7 +256,7 @@ class SpecPrograms(Programs):
                                                                           draft_bk)
             dcaches = self._write_context(drafter, dcaches, taps, positions_t[None], slots_t)
         result = rejection_sample(logits_bwv, q_bkv, draft_bk, num_draft_b, state.sampling,
-                                  state.lengths + 1)
+                                  state.lengths + 1, rule=self.verify_rule)
 
         # Commit: truncate after the first EOS and at the lane's remaining budget.
         W = K + 1

@@ -29,38 +29,26 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="standin")
-    ap.add_argument("--draft", default="standin-dspark")
-    ap.add_argument("--prompts-dir", required=True)
-    ap.add_argument("--limit", type=int, default=10, help="first N prompts of each set")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    from verify_gate_acceptance import add_t1_probe_arguments, code_first_turns, generate_t1, t1_record
+    add_t1_probe_arguments(ap)
     ap.add_argument("--draft-temperature", type=float, required=True)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.draft_temperature <= 0:
         ap.error(f"--draft-temperature must be > 0, got {args.draft_temperature}")
 
     import jspec.spec_steps as spec_steps
     from jspec import LLM
-    from verify_gate_acceptance import code_first_turns, generate_t1
 
     base = spec_steps.draft_sample
-    spec_steps.draft_sample = lambda logits, arrays, positions: base(
-        logits / args.draft_temperature, arrays, positions)
+    spec_steps.draft_sample = lambda logits, arrays, positions, round_start=None: base(
+        logits / args.draft_temperature, arrays, positions, round_start)
 
     prompts = code_first_turns(args.prompts_dir, args.limit)
     llm = LLM(args.target, draft=args.draft, max_lanes=8)
     t = time.time()
     reqs = generate_t1(llm, prompts, args.max_tokens)
-    steps = [n for r in reqs for n in r.step_tokens]
-    rec = {"target": args.target, "draft": args.draft, "prompts": len(prompts),
-           "max_tokens": args.max_tokens, "temperature": 1.0,
-           "draft_temperature": args.draft_temperature, "verify_steps": len(steps),
-           "tokens": sum(steps), "tau": sum(steps) / len(steps),
-           "tokens_histogram": [steps.count(k) for k in range(1, 9)], "wall_s": time.time() - t,
-           # per prompt, in prompt order: scripts/compare_drafters.paired_tau_ratio pairs two runs
-           "per_request": {"tokens": [sum(r.step_tokens) for r in reqs],
-                           "steps": [len(r.step_tokens) for r in reqs]}}
+    rec = {**t1_record(args, prompts, reqs), "draft_temperature": args.draft_temperature,
+           "wall_s": time.time() - t}
     Path(args.out).write_text(json.dumps(rec, indent=1))
     print(json.dumps({k: v for k, v in rec.items() if k != "per_request"}))
     return rec

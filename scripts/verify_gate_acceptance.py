@@ -47,6 +47,28 @@ def code_first_turns(prompts_dir: str, limit: int) -> list[str]:
             for r in load_prompts(Path(prompts_dir) / f"{name}.jsonl", limit=limit)]
 
 
+def add_t1_probe_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every T = 1 probe on the code prompts takes."""
+    ap.add_argument("--target", default="standin")
+    ap.add_argument("--draft", default="standin-dspark")
+    ap.add_argument("--prompts-dir", required=True)
+    ap.add_argument("--limit", type=int, default=10, help="first N prompts of each set")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", required=True)
+
+
+def t1_record(args, prompts: list[str], reqs: list) -> dict:
+    """What a T = 1 run measured: tau over its verify steps, their histogram (tokens 1..8), and
+    per prompt, in prompt order, the tokens and steps compare_drafters.paired_tau_ratio pairs."""
+    steps = [n for r in reqs for n in r.step_tokens]
+    return {"target": args.target, "draft": args.draft, "prompts": len(prompts),
+            "max_tokens": args.max_tokens, "temperature": 1.0, "verify_steps": len(steps),
+            "tokens": sum(steps), "tau": sum(steps) / len(steps),
+            "tokens_histogram": [steps.count(k) for k in range(1, 9)],
+            "per_request": {"tokens": [sum(r.step_tokens) for r in reqs],
+                            "steps": [len(r.step_tokens) for r in reqs]}}
+
+
 def generate_t1(llm, prompts: list[str], max_tokens: int) -> list:
     """Every prompt in the chat template at T = 1, seeds 1000 + i: the requests, after the run."""
     from jspec import SamplingParams
@@ -60,18 +82,13 @@ def generate_t1(llm, prompts: list[str], max_tokens: int) -> list:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="standin")
-    ap.add_argument("--draft", default="standin-dspark")
-    ap.add_argument("--prompts-dir", required=True)
-    ap.add_argument("--limit", type=int, default=10, help="first N prompts of each set")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    add_t1_probe_arguments(ap)
     ap.add_argument("--thresholds", default="0,0.05,0.1,0.2,0.3")
     ap.add_argument("--lanes-engine", type=int, default=8, help="the engine's lanes (CPU: few)")
     ap.add_argument("--cost", help="bench_steps.py JSON with --num-draft rows (optional)")
     ap.add_argument("--lanes", default="16,32", help="lane counts to estimate at (with --cost)")
     ap.add_argument("--contexts", default="512,3072", help="the cost table's context per lane "
                     "count, in the same order")
-    ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
     from jspec import LLM

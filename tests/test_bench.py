@@ -293,6 +293,8 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
     assert key["num_draft_tokens"] == "solo=3,busy=5"
     # DSpark's prefix rule on solo: the record says how many drafts a verify step verified.
     assert key["verify_threshold"] == "solo=0.2" and solo["verify_threshold"] == 0.2
+    assert key["verify_rule"] == "block" == solo["verify_rule"]  # the default
+    assert "--verify-rule block" in solo["command"]
     assert 0.0 <= solo["drafts_per_step"] <= 3.0
     assert "drafts / step" in (out / "bench.md").read_text()
 

@@ -215,10 +215,17 @@ def lossless(target_logits, draft_lp, draft_tokens, num_draft, arrays, positions
     return out.tokens, out.num_emitted
 
 
-@functools.partial(jax.jit, static_argnames="verify")
-def generate(arrays, verify):
+def lossless_block(target_logits, draft_lp, draft_tokens, num_draft, arrays, positions):
+    out = rejection_sample(target_logits, draft_lp, draft_tokens, num_draft, arrays, positions,
+                           rule="block")
+    return out.tokens, out.num_emitted
+
+
+@functools.partial(jax.jit, static_argnames=("verify", "fresh_drafts"))
+def generate(arrays, verify, fresh_drafts=False):
     """LENGTH tokens per lane in speculative rounds. Returns (seq [B, LENGTH], first-round
-    tokens [B, K+1], first-round num_emitted [B]); the first round always drafts K tokens."""
+    tokens [B, K+1], first-round num_emitted [B]); the first round always drafts K tokens.
+    fresh_drafts: the drafts' keys fold in the round's start (what the block rule needs)."""
     p_logits, q_logits = jnp.asarray(P_LOGITS), jnp.asarray(Q_LOGITS)
     lanes = arrays.temperature.shape[0]
 
@@ -226,7 +233,8 @@ def generate(arrays, verify):
         start, seq, first_tokens, first_n = carry  # start: position of the next token
 
         def draft_step(_, k):  # x_{k+1} ~ q at position start + k, by the real drafter sampler
-            return None, sampling.draft_sample(q_logits[start + k], arrays, start + k)
+            return None, sampling.draft_sample(q_logits[start + k], arrays, start + k,
+                                               start if fresh_drafts else None)
 
         _, (drafts, draft_lp) = jax.lax.scan(draft_step, None, jnp.arange(K))
         drafts, draft_lp = drafts.T, jnp.swapaxes(draft_lp, 0, 1)  # [B, K], [B, K, V]
@@ -328,3 +336,42 @@ def test_broken_samplers_fail_the_same_checks(broken):
     failures = law_failures(configs, CONTROL_LANES_PER_CONFIG, seq, first_tokens, first_n)
     failed_configs = {config for config, _, _ in failures}
     assert failed_configs == set(configs), failures
+
+
+# ---------------------------------------------------------------------------- the block rule
+
+
+@pytest.fixture(scope="module")
+def block_run():
+    arrays = population(CONFIGS, LANES_PER_CONFIG, GREEDY_LANES)
+    return [np.asarray(x) for x in generate(arrays, lossless_block, fresh_drafts=True)]
+
+
+def test_block_rule_follows_the_target_law_and_accepts_more(block_run, lossless_run):
+    seq, first_tokens, first_n = block_run
+    assert np.all((seq >= 0) & (seq < VOCAB))
+    assert law_failures(CONFIGS, LANES_PER_CONFIG, seq, first_tokens, first_n) == []
+    # The first round always drafts K: its mean accept length is never below the token rule's.
+    sampled = slice(0, len(CONFIGS) * LANES_PER_CONFIG)
+    block_mean, token_mean = first_n[sampled].mean(), lossless_run[2][sampled].mean()
+    standard_error = np.sqrt(first_n[sampled].var() / first_n[sampled].size)
+    assert block_mean > token_mean + 3 * standard_error, (block_mean, token_mean)
+
+
+def test_block_rule_greedy_lanes_emit_the_argmax_chain(block_run):
+    seq, _, _ = block_run
+    greedy = slice(len(CONFIGS) * LANES_PER_CONFIG, None)
+    np.testing.assert_array_equal(seq[greedy], np.broadcast_to(P_LOGITS.argmax(-1)[:LENGTH],
+                                                               (GREEDY_LANES, LENGTH)))
+
+
+def test_block_rule_with_drafts_reused_across_rounds_fails_the_same_checks():
+    """Negative control: the block rule with per-position draft keys (what the token rule may
+    use): a round's accept length depends on drafts it does not emit, which the next round
+    draws again with the same keys, so the law breaks."""
+    configs = [CONFIGS[0], CONFIGS[3]]
+    arrays = population(configs, CONTROL_LANES_PER_CONFIG)
+    seq, first_tokens, first_n = (np.asarray(x) for x in generate(arrays, lossless_block,
+                                                                  fresh_drafts=False))
+    failures = law_failures(configs, CONTROL_LANES_PER_CONFIG, seq, first_tokens, first_n)
+    assert failures, "stale draft keys went unnoticed"

@@ -127,13 +127,15 @@ def test_teacher_forced_logprobs_verify_equals_decode(target, random_drafter):
     np.testing.assert_allclose(stock, ref, atol=1e-4)
 
 
-def test_spec_sampled_law_end_to_end():
+@pytest.mark.parametrize("rule", ["block", "token"])
+def test_spec_sampled_law_end_to_end(rule):
     """Bigram target on 6 tokens, a drafter with q != p: the emitted pairs (t1, t2), where t2 is
-    produced by a speculative iteration, must follow p(t1|x0) p(t2|t1). Negative control: the
-    same counts against the drafter's own law must be rejected."""
+    produced by a speculative iteration, must follow p(t1|x0) p(t2|t1), under either verify
+    rule. Negative control: the same counts against the drafter's own law must be rejected."""
     t, d, law = bigram_pair(concentrate=6, drafter_noise=0.8)
     eng = Engine(CFG, t, (), EngineConfig(max_lanes=8, page_size=8, max_context=32, prefill_chunk=8,
-                                          decode_steps=1, attn_impl="xla"), drafter=d, draft_cfg=DCFG)
+                                          decode_steps=1, attn_impl="xla", verify_rule=rule),
+                 drafter=d, draft_cfg=DCFG)
     n, x0 = 2400, 3
     reqs = eng.generate([Request([1, x0], temperature=1.0, max_tokens=3, seed=i) for i in range(n)])
     pairs = np.array([r.output_ids[:2] for r in reqs])
@@ -182,16 +184,17 @@ def test_spec_carried_decode_state_equals_the_hosts(target, random_drafter):
     kept, EOS inside a block, budgets) the way the host counts it: same tokens as re-sending the
     state every dispatch, and the same state every dispatch, through preemptions."""
     specs = [(40, 40), (30, 45), (35, 30), (20, 50), (6, 4)]
-    eos = 105  # a token these replies sample early enough: some lanes stop on it
 
-    def run(carry):
+    def run(carry, eos):
         eng = Engine(CFG, target, (eos,), EngineConfig(**{**ECFG.__dict__, "num_pages": 16}),
                      drafter=random_drafter, draft_cfg=DCFG)
         eng.carry_state, eng.check_carry = carry, carry
         return [(r.output_ids, r.finish_reason) for r in eng.generate(_requests(specs, temperature=0.8))], eng.stats
 
-    sent, _ = run(False)
-    carried, stats = run(True)
+    probe, _ = run(False, CFG.vocab_size - 1)
+    eos = probe[0][0][5]  # a token the first reply samples early: at least that lane stops on it
+    sent, _ = run(False, eos)
+    carried, stats = run(True, eos)
     assert carried == sent
     assert stats["state_carries"] > 3 and stats["preemptions"] > 0
     assert {f for _, f in carried} == {"eos", "length"}
@@ -264,9 +267,8 @@ def test_spec_lookahead_and_device_loop_change_when_not_what(target, random_draf
     the same tokens, finish reasons and tokens per verify step as with neither, with EOS inside
     a dispatch (test_engine.py has the stock twin)."""
     specs = [(40, 40), (9, 45), (35, 30)]
-    eos = 105  # sampled early enough by these replies: some lanes stop on it
 
-    def run(lookahead, device_loop):
+    def run(lookahead, device_loop, eos):
         eng = Engine(CFG, target, (eos,), EngineConfig(**{
             **ECFG.__dict__, "max_lanes": lanes, "lookahead": lookahead,
             "device_loop": device_loop}), drafter=random_drafter, draft_cfg=DCFG)
@@ -274,8 +276,15 @@ def test_spec_lookahead_and_device_loop_change_when_not_what(target, random_draf
         reqs = eng.generate(_requests(specs, temperature=0.8))
         return [(r.output_ids, r.finish_reason, r.step_tokens) for r in reqs], eng.stats
 
-    ref, ref_stats = run(False, False)
-    got, stats = run(True, True)
+    probe, _ = run(False, False, CFG.vocab_size - 1)
+    eos = probe[0][0][5]  # a token the first reply samples early: at least that lane stops on it
+    ref, ref_stats = run(False, False, eos)
+    got, stats = run(True, True, eos)
     assert got == ref
     assert {f for _, f, _ in ref} == {"eos", "length"}
     assert ref_stats["lookahead_dispatches"] == 0 < stats["lookahead_dispatches"]
+
+
+def test_verify_rule_is_checked():
+    with pytest.raises(ValueError, match="verify_rule must be one of"):
+        EngineConfig(verify_rule="blockwise")

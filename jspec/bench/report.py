@@ -97,6 +97,8 @@ def assemble(parts: dict, *, env: dict, warnings: list[str] | None = None,
             # DSpark's prefix rule: its threshold and the drafts a verify step verified on average
             "verify_threshold": p["verify"].get("threshold"),
             "drafts_per_step": p["verify"].get("drafts_per_step"),
+            # how the accept length was decided (records before the knob: draft by draft)
+            "verify_rule": p["verify"].get("rule", "token"),
             "peak_mib": None if not peak else {
                 "stock": peak["stock"] / 2 ** 20, "spec": peak["spec"] / 2 ** 20,
                 "exact": {"stock": peak["stock_exact"], "spec": peak["spec_exact"]}},

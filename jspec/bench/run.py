@@ -82,6 +82,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "default: verify every draft): each lane verifies the drafts whose cumulative "
                    "confidence stays >= T, packed into the smallest static verify size that "
                    "holds them (EngineConfig.verify_threshold; lossless at any T)")
+    p.add_argument("--verify-rule", default="block", choices=["block", "token"],
+                   help="how the verifier decides the accept length: block verification (the "
+                   "default; never fewer accepted drafts in expectation) or draft by draft; both "
+                   "lossless (EngineConfig.verify_rule)")
     p.add_argument("--peer", default="auto", choices=["auto", "on", "off"],
                    help="transformers peer with solo: auto = on unless --quick")
     p.add_argument("--page-size", type=int, default=16)
@@ -116,6 +120,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def verify_rule(args) -> str:
+    """--verify-rule; records made before it existed (and Namespaces without it) used "token"."""
+    return getattr(args, "verify_rule", None) or "token"
+
+
 def command_line(args) -> str:
     """The invocation, every option explicit, so the record says exactly how to reproduce it."""
     model, draft = getattr(args, "given", (args.model, args.draft))  # as typed (names too)
@@ -127,6 +136,7 @@ def command_line(args) -> str:
         words += ["--num-draft-tokens", str(args.num_draft_tokens)]
     if getattr(args, "verify_threshold", None) is not None:
         words += ["--verify-threshold", str(args.verify_threshold)]
+    words += ["--verify-rule", verify_rule(args)]
     words += ["--peer", args.peer, "--page-size", str(args.page_size), "--prefill-chunk",
               str(args.prefill_chunk), "--stock-decode-steps", str(args.stock_decode_steps),
               "--spec-decode-steps", str(args.spec_decode_steps), "--attn-impl", args.attn_impl]
@@ -302,6 +312,7 @@ class Bench:
                     "sampling": args.sampling, "quick": self.quick,
                     "num_draft_tokens": canonical_per_workload(args.num_draft_tokens),
                     "verify_threshold": canonical_per_workload(getattr(args, "verify_threshold", None)),
+                    "verify_rule": verify_rule(args),
                     "page_size": args.page_size,
                     "prefill_chunk": args.prefill_chunk, "attn_impl": args.attn_impl,
                     "decode_steps": [args.stock_decode_steps, args.spec_decode_steps],
@@ -466,7 +477,8 @@ class Bench:
                     draft_vocab=getattr(a, "draft_vocab", None))
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
                 EngineConfig(decode_steps=a.spec_decode_steps,
-                             verify_threshold=self.verify_threshold[spec.name], **base))
+                             verify_threshold=self.verify_threshold[spec.name],
+                             verify_rule=verify_rule(a), **base))
 
     def warm(self, engine, spec, prompts, name) -> float:
         n = min(2, len(prompts))
@@ -609,6 +621,7 @@ class Bench:
             "verify": {"steps": len(step_tokens), "tokens": sum(step_tokens),
                        "tau": sum(step_tokens) / len(step_tokens) if step_tokens else None,
                        "threshold": self.verify_threshold[spec.name],
+                       "rule": verify_rule(self.args),
                        "drafts_per_step": (sum(step_drafts) / len(step_drafts)
                                            if step_drafts else None),
                        "acceptance_per_position": per_pos},
