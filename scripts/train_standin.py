@@ -610,6 +610,7 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
 
     for name, d in drafters.items():
         llm = LLM(full_target, draft=d, **kw)
+        result["verify_rule"] = llm.engine.ecfg.verify_rule  # the engine's default accept rule
         for label, sp in (("t1", SamplingParams(temperature=1.0, seed=0, max_tokens=args.eval_max_tokens)),
                           ("greedy", SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens))):
             res = llm.generate(prompts, [dataclasses.replace(sp, seed=i) for i in range(len(prompts))])
