@@ -22,3 +22,16 @@ def hf_tiny_dirs(tmp_path_factory):
         make_hf_qwen3(PRESETS[name], d, seed=zlib.crc32(name.encode()) % 1000)
         dirs[name] = d
     return dirs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every test module's compiled programs when it ends. One pytest process compiles
+    hundreds of programs; kept for the whole run they pile up (a late XLA compile once crashed
+    in CI after 30 minutes of them), and no test reuses another module's programs."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
