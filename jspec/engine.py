@@ -32,7 +32,7 @@ from jspec.draft_vocab import DraftVocab, choose_ids
 from jspec.kernels.linear import check_impl
 from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
 from jspec.qwen3 import Qwen3, fuse_projections
-from jspec.rejection import VERIFY_RULES
+from jspec.rejection import check_rule
 from jspec.sampling import SamplingArrays
 from jspec.steps import DecodeState, StockPrograms
 
@@ -167,8 +167,7 @@ class EngineConfig:
         if self.invariant_prefill and not self.batch_invariant:
             raise ValueError("invariant_prefill needs batch_invariant (without it every route is "
                              "XLA's)")
-        if self.verify_rule not in VERIFY_RULES:
-            raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, got {self.verify_rule!r}")
+        check_rule(self.verify_rule, "verify_rule")
         if not 0.0 <= self.verify_threshold < 1.0:
             raise ValueError(f"verify_threshold must be in [0, 1) (0: verify every draft), got "
                              f"{self.verify_threshold}")

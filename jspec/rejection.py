@@ -73,28 +73,40 @@ def _take_rows(x_bkv, rows_b):
     return jnp.take_along_axis(x_bkv, rows_b[:, None, None], axis=1)[:, 0]
 
 
+def _logprobs_at(logprobs_bkv, tokens_bk):
+    """logprobs[b, k, tokens[b, k]] : [B, K] (K = tokens' width; rows past it are not read).
+    Padding ids (< 0) read token 0: callers mask positions past num_draft."""
+    ids_bk1 = jnp.clip(tokens_bk, 0, logprobs_bkv.shape[-1] - 1)[..., None]
+    return jnp.take_along_axis(logprobs_bkv[:, :tokens_bk.shape[1]], ids_bk1, axis=-1)[..., 0]
+
+
+def _prefix_length(accept_bk, num_draft):
+    """[B] int32: how many leading tests pass, counting only the first num_draft of each lane."""
+    accept_bk &= jnp.arange(accept_bk.shape[1])[None, :] < num_draft[:, None]
+    return jnp.sum(jnp.cumprod(accept_bk.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _greedy_tests(target_logprobs, draft_tokens):
+    """[B, K] bool: x_k == argmax p_{k-1}, the test of greedy lanes under either rule."""
+    return draft_tokens == jnp.argmax(target_logprobs[:, :draft_tokens.shape[1]], axis=-1)
+
+
 def accept_drafts(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, uniforms):
-    """The accept test. Returns (accept [B, K] bool, num_accepted [B] int32 in 0..num_draft).
+    """The token rule's accept test. Returns (accept [B, K] bool, num_accepted [B] int32 in
+    0..num_draft).
 
     target_logprobs [B, K+1, V] (processed p_0..p_K), draft_logprobs [B, K, V] (q_1..q_K),
     draft_tokens [B, K], num_draft [B], greedy [B] bool, uniforms [B, K] in [0, 1).
     accept[:, k-1] is the test of draft x_k alone; num_accepted is its all-accept prefix length.
     """
-    num_drafts_max = draft_tokens.shape[1]
-    vocab = target_logprobs.shape[-1]
-    tokens_bk1 = jnp.clip(draft_tokens, 0, vocab - 1)[..., None]  # padding ids are masked below
-    target_bkv = target_logprobs[:, :num_drafts_max]  # p_{k-1} for x_k
-    logp_x = jnp.take_along_axis(target_bkv, tokens_bk1, axis=-1)[..., 0]  # [B, K]
-    logq_x = jnp.take_along_axis(draft_logprobs, tokens_bk1, axis=-1)[..., 0]  # [B, K]
-
+    logp_x = _logprobs_at(target_logprobs, draft_tokens)  # p_{k-1}(x_k)
+    logq_x = _logprobs_at(draft_logprobs, draft_tokens)  # q_k(x_k)
     # log u + log q < log p  <=>  u * q < p; -inf never yields NaN here (no +inf terms), p = 0
     # always rejects, and u = 0 accepts iff p > 0.
     accept = jnp.log(uniforms.astype(jnp.float32)) + logq_x < logp_x
-    greedy_accept = draft_tokens == jnp.argmax(target_bkv, axis=-1)
-    accept = jnp.where(greedy[:, None], greedy_accept, accept)
-    accept &= jnp.arange(num_drafts_max)[None, :] < num_draft[:, None]
-    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
-    return accept, num_accepted.astype(jnp.int32)
+    accept = jnp.where(greedy[:, None], _greedy_tests(target_logprobs, draft_tokens), accept)
+    accept &= jnp.arange(draft_tokens.shape[1])[None, :] < num_draft[:, None]
+    return accept, _prefix_length(accept, num_draft)
 
 
 def _log_positive_gap(lp, lq):
@@ -121,10 +133,8 @@ def block_acceptance(target_logprobs, draft_logprobs, draft_tokens, num_draft):
     """Block verification's numbers (module docstring). Returns (stop [B, K] f32: h_1..h_K, 0
     past num_draft; log_weight [B, K+1] f32: log w_0..log w_K). Shapes as in accept_drafts."""
     batch, num_drafts_max = draft_tokens.shape
-    vocab = target_logprobs.shape[-1]
-    tokens_bk1 = jnp.clip(draft_tokens, 0, vocab - 1)[..., None]
-    logp_x = jnp.take_along_axis(target_logprobs[:, :num_drafts_max], tokens_bk1, -1)[..., 0]
-    logq_x = jnp.take_along_axis(draft_logprobs, tokens_bk1, -1)[..., 0]
+    logp_x = _logprobs_at(target_logprobs, draft_tokens)
+    logq_x = _logprobs_at(draft_logprobs, draft_tokens)
     # p / q in log space; a draft q could not have drawn (q = 0, e.g. padding) counts as p / 0.
     log_ratio = jnp.where(logq_x > -jnp.inf, logp_x - logq_x,
                           jnp.where(logp_x > -jnp.inf, jnp.inf, -jnp.inf))
@@ -157,8 +167,7 @@ def block_accept(target_logprobs, draft_logprobs, draft_tokens, num_draft, greed
     i_k = jnp.arange(1, draft_tokens.shape[1] + 1, dtype=jnp.int32)[None, :]
     num_accepted = jnp.max(jnp.where(uniforms < stop, i_k, 0), axis=1, initial=0)
     log_weight = jnp.take_along_axis(log_w_bk1, num_accepted[:, None], axis=1)[:, 0]
-    _, greedy_accepted = accept_drafts(target_logprobs, draft_logprobs, draft_tokens, num_draft,
-                                       greedy, uniforms)
+    greedy_accepted = _prefix_length(_greedy_tests(target_logprobs, draft_tokens), num_draft)
     num_accepted = jnp.where(greedy, greedy_accepted, num_accepted).astype(jnp.int32)
     return num_accepted, jnp.where(greedy, 0.0, log_weight)
 
@@ -167,7 +176,7 @@ def _emit(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, num_
           residual_gumbel, log_weight=None):
     """Tokens and log-probs for a known accept length; residual_gumbel [B, V] is the noise of
     the single residual / bonus draw (Gumbel-max); log_weight [B]: the block rule's w_a."""
-    batch, num_rows, vocab = target_logprobs.shape
+    batch, num_rows, _ = target_logprobs.shape
     num_drafts_max = num_rows - 1
     target_row = _take_rows(target_logprobs, num_accepted)  # p_a [B, V]
     if num_drafts_max > 0:
@@ -183,8 +192,7 @@ def _emit(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, num_
 
     rows = jnp.arange(num_rows)[None, :]  # output slot i is position s+1+i
     drafts = jnp.concatenate([draft_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    draft_ids = jnp.clip(draft_tokens, 0, vocab - 1)[..., None]
-    draft_lp = jnp.take_along_axis(target_logprobs[:, :num_drafts_max], draft_ids, axis=-1)[..., 0]
+    draft_lp = _logprobs_at(target_logprobs, draft_tokens)
     draft_lp = jnp.concatenate([draft_lp, jnp.zeros((batch, 1), jnp.float32)], axis=1)
     accepted = rows < num_accepted[:, None]
     is_new = rows == num_accepted[:, None]
@@ -194,9 +202,10 @@ def _emit(target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, num_
                            logprobs)
 
 
-def _check_rule(rule: str) -> None:
+def check_rule(rule: str, what: str = "verify rule") -> None:
+    """Raise a ValueError naming `what` unless `rule` is one of VERIFY_RULES."""
     if rule not in VERIFY_RULES:
-        raise ValueError(f"verify rule must be one of {VERIFY_RULES}, got {rule!r}")
+        raise ValueError(f"{what} must be one of {VERIFY_RULES}, got {rule!r}")
 
 
 def _accept(rule, target_logprobs, draft_logprobs, draft_tokens, num_draft, greedy, uniforms):
@@ -219,7 +228,7 @@ def rejection_sample_core(target_logprobs, draft_logprobs, draft_tokens, num_dra
     uniforms [B, K] in [0, 1); residual_gumbel [B, V] standard Gumbel noise for the one
     residual / bonus draw; rule "token" or "block" (module docstring).
     """
-    _check_rule(rule)
+    check_rule(rule)
     num_draft = jnp.clip(num_draft, 0, draft_tokens.shape[1]).astype(jnp.int32)
     num_accepted, log_weight = _accept(rule, target_logprobs, draft_logprobs, draft_tokens,
                                        num_draft, greedy, uniforms)
@@ -242,7 +251,7 @@ def rejection_sample(target_logits, draft_logprobs, draft_tokens, num_draft,
     to this round (draft_sample's round_start = positions). Returns RejectionResult(tokens
     [B, K+1], num_emitted [B], logprobs).
     """
-    _check_rule(rule)
+    check_rule(rule)
     num_drafts_max = draft_tokens.shape[1]
     vocab = target_logits.shape[-1]
     num_draft = jnp.clip(num_draft, 0, num_drafts_max).astype(jnp.int32)

@@ -40,7 +40,7 @@ from jspec.dspark import DSparkConfig, DSparkDrafter
 from jspec.kernels.kv_cache_write import write_kv
 from jspec.paged_cache import NULL_PAGE
 from jspec.qwen3 import Qwen3
-from jspec.rejection import VERIFY_RULES, rejection_sample
+from jspec.rejection import check_rule, rejection_sample
 from jspec.sampling import SamplingArrays, draft_sample
 from jspec.steps import (DecodeState, Programs, paged_attention, prefill_layout,
                          sample_after_chunk, slots_for, token_logprobs)
@@ -104,8 +104,7 @@ class SpecPrograms(Programs):
                              f"block size), got {self.k}")
         check_confidence_head(verify_threshold, dcfg)
         self.verify_threshold = float(verify_threshold)
-        if verify_rule not in VERIFY_RULES:
-            raise ValueError(f"verify_rule must be one of {VERIFY_RULES}, got {verify_rule!r}")
+        check_rule(verify_rule, "verify_rule")
         self.verify_rule = verify_rule
         super().__init__(page_size, eos_ids, attn_impl, device_loop)
 

@@ -26,3 +26,14 @@ def chi2_pvalue(counts, probs, min_expected=5.0):
         return 1.0
     stat = np.sum((obs - exp) ** 2 / exp)
     return float(jax.scipy.special.gammaincc((len(exp) - 1) / 2.0, stat / 2.0))
+
+
+def random_round(rng, lanes, k, vocab, concentration):
+    """One random verification round: p [lanes, k+1, vocab] and q [lanes, k, vocab] (Dirichlet
+    laws), drafts [lanes, k] int32 drawn from q, num_draft [lanes] int32 in 0..k."""
+    p = rng.dirichlet(np.full(vocab, concentration), size=(lanes, k + 1))
+    q = rng.dirichlet(np.full(vocab, concentration), size=(lanes, k))
+    drafts = np.array([[rng.choice(vocab, p=q[b, i]) for i in range(k)] for b in range(lanes)],
+                      np.int32)
+    num_draft = rng.integers(0, k + 1, size=lanes).astype(np.int32)
+    return p, q, drafts, num_draft

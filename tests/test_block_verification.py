@@ -16,6 +16,7 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from stats_helpers import random_round
 
 from jspec import rejection
 
@@ -181,11 +182,7 @@ def test_core_block_rule_with_fixed_randomness_matches_a_reference():
     """rejection_sample_core(rule='block') against a float64 transcription of the rule."""
     rng = np.random.default_rng(5)
     lanes, k, vocab = 64, 5, 6
-    p = rng.dirichlet(np.full(vocab, 0.7), size=(lanes, k + 1))
-    q = rng.dirichlet(np.full(vocab, 0.7), size=(lanes, k))
-    drafts = np.array([[rng.choice(vocab, p=q[b, i]) for i in range(k)] for b in range(lanes)],
-                      np.int32)
-    num_draft = rng.integers(0, k + 1, size=lanes).astype(np.int32)
+    p, q, drafts, num_draft = random_round(rng, lanes, k, vocab, 0.7)
     uniforms = rng.random((lanes, k)).astype(np.float32)
     gumbel = rng.gumbel(size=(lanes, vocab)).astype(np.float32)
     out = rejection.rejection_sample_core(log(p), log(q), drafts, num_draft,

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from stats_helpers import random_round  # noqa: E402
 from verify_rule_probe import expected_accepts  # noqa: E402
 
 from jspec import rejection  # noqa: E402
@@ -15,11 +16,7 @@ from jspec.sampling import SamplingArrays  # noqa: E402
 def test_expected_accepts_match_the_rules():
     rng = np.random.default_rng(3)
     lanes, k, vocab = 16, 4, 5
-    p = rng.dirichlet(np.full(vocab, 0.8), size=(lanes, k + 1))
-    q = rng.dirichlet(np.full(vocab, 0.8), size=(lanes, k))
-    drafts = np.array([[rng.choice(vocab, p=q[b, i]) for i in range(k)] for b in range(lanes)],
-                      np.int32)
-    num_draft = rng.integers(0, k + 1, size=lanes).astype(np.int32)
+    p, q, drafts, num_draft = random_round(rng, lanes, k, vocab, 0.8)
     arrays = SamplingArrays.from_lists([1.0] * lanes, [0] * lanes, [1.0] * lanes, list(range(lanes)))
     token, block = expected_accepts(jnp.log(p).astype(jnp.float32), jnp.log(q).astype(jnp.float32),
                                     drafts, num_draft, arrays)
