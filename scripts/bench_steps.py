@@ -52,6 +52,8 @@ def main():
                     "are also timed alone (at the first context)")
     ap.add_argument("--num-draft", default="7", help="drafts verified per iteration, a list: one "
                     "speculative engine per value (the verify width's cost curve)")
+    ap.add_argument("--verify-rules", default="block", help="accept rules, a list: one "
+                    "speculative engine per rule and drafts count (EngineConfig.verify_rule)")
     args = ap.parse_args()
 
     import jax
@@ -155,8 +157,8 @@ def main():
             sampling=SamplingArrays.from_lists([args.temperature] * lanes, [args.top_k] * lanes,
                                                [args.top_p] * lanes, seed=list(range(lanes))))
 
-    def ecfg_for(width):
-        return EngineConfig(max_lanes=max_lanes, page_size=args.page_size,
+    def ecfg_for(width, verify_rule="block"):
+        return EngineConfig(verify_rule=verify_rule, max_lanes=max_lanes, page_size=args.page_size,
                             max_context=max(contexts) + (args.steps + 1) * width,
                             decode_steps=args.steps, attn_impl=args.attn_impl,
                             batch_invariant=args.batch_invariant,
@@ -194,11 +196,12 @@ def main():
         save()
         print(json.dumps(rec["stock"]))
         return
-    def spec_engine_rows(num_draft):
-        """Time the speculative iteration of an engine that verifies `num_draft` drafts."""
+    def spec_engine_rows(num_draft, verify_rule):
+        """Time the speculative iteration of an engine that verifies `num_draft` drafts and
+        accepts them by `verify_rule`."""
         # Random weights have no frequencies: the draft vocabulary is the first N ids (its cost is
         # what is timed here, not its acceptance).
-        eng = Engine(cfg, target, (), ecfg_for(8), drafter=drafter, draft_cfg=dcfg,
+        eng = Engine(cfg, target, (), ecfg_for(8, verify_rule), drafter=drafter, draft_cfg=dcfg,
                      num_draft=num_draft,
                      draft_vocab_ids=range(cfg.vocab_size))
         eng.caches = (random_caches(eng.caches[0], 2), random_caches(eng.caches[1], 3))
@@ -235,7 +238,7 @@ def main():
                     return toks
 
                 t = time.perf_counter()
-                r = {"lanes": lanes, "context": ctx, "num_draft": num_draft,
+                r = {"lanes": lanes, "context": ctx, "num_draft": num_draft, "verify_rule": verify_rule,
                      "verify_rows": lanes * (num_draft + 1)}
                 if not args.skip_iteration:
                     dispatch_s, returned_s = dispatch_times(call)
@@ -267,16 +270,17 @@ def main():
         del eng
 
     for num_draft in [int(v) for v in args.num_draft.split(",")]:
-        spec_engine_rows(num_draft)
+        for verify_rule in args.verify_rules.split(","):
+            spec_engine_rows(num_draft, verify_rule)
     stats = jax.devices()[0].memory_stats() or {}
     rec["peak_device_bytes"] = stats.get("peak_bytes_in_use")
     rec["triton_route"] = triton_route()
     save()
-    print("| lanes | ctx | drafts | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| lanes | ctx | drafts | rule | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rec["spec"] or [{}]:
         s = next((x for x in rec["stock"] if x["lanes"] == r.get("lanes") and x["context"] == r.get("context")), {})
-        print(f"| {r.get('lanes', s.get('lanes'))} | {r.get('context', s.get('context'))} | {r.get('num_draft', '-')} | {s.get('step_ms', float('nan')):.2f} | "
+        print(f"| {r.get('lanes', s.get('lanes'))} | {r.get('context', s.get('context'))} | {r.get('num_draft', '-')} | {r.get('verify_rule', '-')} | {s.get('step_ms', float('nan')):.2f} | "
               f"{s.get('tokens_per_s', float('nan')):.0f} | {s.get('fraction_of_hbm_bound', float('nan')):.2f} | "
               f"{r.get('iteration_ms', float('nan')):.2f} | {r.get('draft_ms', float('nan')):.2f} | "
               f"{r.get('verify_ms', float('nan')):.2f} | {r.get('iteration_over_stock_step', float('nan')):.2f} |")

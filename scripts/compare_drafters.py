@@ -2,9 +2,11 @@
 bootstrap interval: is DSpark >= 1.15x DFlash (issue 5's target) resolved by the measurement?
 
   python scripts/compare_drafters.py engine_eval_dspark.json engine_eval_dflash.json [--out x.json]
+  python scripts/compare_drafters.py eval.json eval.json --a-name dspark --b-name dflash
 
 Inputs are train_standin's engine-eval records (one per drafter; the drafter is the name before
-`_t1` / `_greedy` in their keys). Each setting (t1, greedy, and t1 on long prompts where both
+`_t1` / `_greedy` in their keys; a record of several drafters, as
+scripts/standin_acceptance.py writes, needs the name). Each setting (t1, greedy, and t1 on long prompts where both
 have it) needs `per_request` tokens and verify steps in prompt order, written since 2026-12-02's
 third session. tau = sum(tokens) / sum(steps) over the prompts, as the records' own
 tokens_per_step; the interval resamples prompts, the same indices for both drafters (the prompts
@@ -38,15 +40,22 @@ def paired_tau_ratio(tokens_a, steps_a, tokens_b, steps_b, *, resamples: int = 4
             "tau_b": float(tb.sum() / sb.sum())}
 
 
-def _drafter(rec: dict) -> str:
+def _drafter(rec: dict, name: str | None = None) -> str:
     names = {k.rsplit("_", 1)[0] for k in rec if k.endswith(("_t1", "_greedy"))}
+    if name is not None:
+        if name not in names:
+            raise SystemExit(f"no engine eval of drafter {name!r} in the record; it has "
+                             f"{sorted(names) or 'none'}")
+        return name
     if len(names) != 1:
-        raise SystemExit(f"expected one drafter's engine eval, found {sorted(names) or 'none'}")
+        raise SystemExit(f"expected one drafter's engine eval, found {sorted(names) or 'none'} "
+                         "(name one with --a-name / --b-name)")
     return names.pop()
 
 
-def compare(rec_a: dict, rec_b: dict) -> dict:
-    a, b = _drafter(rec_a), _drafter(rec_b)
+def compare(rec_a: dict, rec_b: dict, name_a: str | None = None,
+            name_b: str | None = None) -> dict:
+    a, b = _drafter(rec_a, name_a), _drafter(rec_b, name_b)
     out = {"a": a, "b": b}
     for label in ("t1", "greedy", "t1_long"):
         key, sub = (label, None) if label != "t1_long" else ("t1", "long")
@@ -67,9 +76,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("a", type=Path, help="engine eval of the drafter on top of the ratio")
     ap.add_argument("b", type=Path, help="engine eval of the drafter below it")
+    ap.add_argument("--a-name", help="the drafter in A (when A holds several)")
+    ap.add_argument("--b-name", help="the drafter in B (when B holds several)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    res = compare(json.loads(args.a.read_text()), json.loads(args.b.read_text()))
+    res = compare(json.loads(args.a.read_text()), json.loads(args.b.read_text()),
+                  args.a_name, args.b_name)
     for label in ("t1", "greedy", "t1_long"):
         if label in res:
             r = res[label]

@@ -92,3 +92,26 @@ def test_compare_reads_engine_eval_records(tmp_path, capsys):
     b.write_text(json.dumps(old))  # a record from before per_request: refused by name
     with pytest.raises(SystemExit, match="per_request"):
         cd.main([str(a), str(b)])
+
+
+def test_compare_picks_named_drafters_from_one_record(tmp_path, capsys):
+    """standin_acceptance.py writes both drafters into one record: --a-name / --b-name pick them,
+    and without names the record is refused, naming the drafters it holds."""
+    cd = _script()
+    rng = np.random.default_rng(1)
+    rec = {"prompts": 40}
+    for name, tau in (("dspark", 2.6), ("dflash", 2.2)):
+        t, s = _replies(rng, 40, tau)
+        rec[f"{name}_t1"] = {"tokens_per_step": t.sum() / s.sum(),
+                             "per_request": {"tokens": t.tolist(), "steps": s.tolist()}}
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps(rec))
+    cd.main([str(path), str(path), "--a-name", "dspark", "--b-name", "dflash",
+             "--out", str(tmp_path / "r.json")])
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["t1"]["ratio"] == pytest.approx(
+        rec["dspark_t1"]["tokens_per_step"] / rec["dflash_t1"]["tokens_per_step"])
+    with pytest.raises(SystemExit, match=r"\['dflash', 'dspark'\]"):
+        cd.main([str(path), str(path)])
+    with pytest.raises(SystemExit, match="no engine eval of drafter 'eagle'"):
+        cd.main([str(path), str(path), "--a-name", "eagle"])
