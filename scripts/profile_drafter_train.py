@@ -194,7 +194,6 @@ def load_target(args):
     """(target cfg, model, compact vocabulary or None, mask row, pad id): as train_standin's
     light_state reads S (float32 masters; the trainer casts them to the compute dtype)."""
     from jspec.config import Qwen3Config
-    from jspec.loading import load_model
     from jspec.qwen3 import init_random
     if args.random_target:
         cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
@@ -204,16 +203,12 @@ def load_target(args):
         return cfg, init_random(cfg, seed=args.seed), None, cfg.vocab_size - 1, 0
     from jspec.standin import source_dir
     from jspec.tokenizer import ENDOFTEXT_ID
-    from jspec.train.vocab import CompactVocab
+    from jspec.train.vocab import load_training_target
     path = source_dir(args.target)  # a stand-in name -> its compact directory (S's own rows)
     if not (path / "config.json").is_file():
         raise SystemExit(f"--target {args.target!r}: {path} is not a model directory (no config.json)")
-    cfg, model = load_model(path, dtype="float32")
-    hf = json.loads((path / "config.json").read_text())
-    if "jspec_shared_row" not in hf:
-        return cfg, model, None, cfg.vocab_size - 1, 0
-    vocab = CompactVocab.from_hf(hf, mask_row=cfg.vocab_size - 1)
-    return cfg, model, vocab, vocab.mask_row, int(vocab.to_rows([ENDOFTEXT_ID])[0])
+    cfg, model, vocab, mask_row = load_training_target(path)
+    return cfg, model, vocab, mask_row, 0 if vocab is None else int(vocab.to_rows([ENDOFTEXT_ID])[0])
 
 
 def synthetic_pool(args, vocab_size: int, mask_id: int, pad_id: int) -> tuple[dict, dict]:

@@ -728,21 +728,14 @@ def light_resume(args, out: Path) -> bool:
 def light_state(args, out: Path):
     """What the later stages need, from OUT alone (after a first call that stopped after S and
     its prompts, or after the replies): S, its vocabulary, the prompts."""
-    from jspec.loading import load_model
     from jspec.tokenizer import Tokenizer
-    from jspec.train.vocab import CompactVocab
+    from jspec.train.vocab import load_training_target
     args.corpus_sha256 = json.loads((out / "manifest.json").read_text())["sha256"]
-    hf = json.loads((out / "target" / "config.json").read_text())
     tok = Tokenizer.from_dir(out / "target")
     sep = tok.token_to_id("<|endoftext|>")
-    target_cfg, model = load_model(out / "target", dtype="float32")
-    vocab, mask_id, full_dir = None, target_cfg.vocab_size - 1, None
-    args.sep_id = sep
-    if "jspec_shared_row" in hf:
-        vocab = CompactVocab.from_hf(hf, mask_row=target_cfg.vocab_size - 1)
-        mask_id = vocab.mask_row
-        args.sep_id = int(vocab.to_rows([sep])[0])
-    elif args.tokenizer != "qwen3":
+    target_cfg, model, vocab, mask_id = load_training_target(out / "target")
+    args.sep_id = sep if vocab is None else int(vocab.to_rows([sep])[0])
+    if vocab is None and args.tokenizer != "qwen3":
         mask_id = tok.vocab_size
     full_dir = full_target_dir(args, out, vocab)
     held = (out / "target_heldout.json")

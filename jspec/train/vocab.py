@@ -66,6 +66,21 @@ class CompactVocab:
                    mask_row, int(hf["vocab_size"]), full_vocab, mask_id)
 
 
+def load_training_target(path, dtype: str = "float32"):
+    """S as the trainers read it: (cfg, model, CompactVocab or None, mask row). A directory
+    without a compact vocabulary has its mask on the last row."""
+    import json
+    from pathlib import Path
+
+    from jspec.loading import load_model
+    cfg, model = load_model(path, dtype=dtype)
+    hf = json.loads((Path(path) / "config.json").read_text())
+    if "jspec_shared_row" not in hf:
+        return cfg, model, None, cfg.vocab_size - 1
+    vocab = CompactVocab.from_hf(hf, mask_row=cfg.vocab_size - 1)
+    return cfg, model, vocab, vocab.mask_row
+
+
 def build_compact_vocab(docs: Sequence[Sequence[int]], rows: int, *, specials=QWEN3_SPECIALS,
                         mask_id: int = DSPARK_MASK_ID, full_vocab: int = QWEN3_VOCAB) -> CompactVocab:
     """The `rows`-row vocabulary of the corpus `docs` (ids of the full vocabulary): frequency ties
