@@ -80,9 +80,13 @@ def _logprobs_at(logprobs_bkv, tokens_bk):
     return jnp.take_along_axis(logprobs_bkv[:, :tokens_bk.shape[1]], ids_bk1, axis=-1)[..., 0]
 
 
-def _prefix_length(accept_bk, num_draft):
-    """[B] int32: how many leading tests pass, counting only the first num_draft of each lane."""
-    accept_bk &= jnp.arange(accept_bk.shape[1])[None, :] < num_draft[:, None]
+def _within_drafts(tests_bk, num_draft):
+    """The tests with those past each lane's num_draft set False."""
+    return tests_bk & (jnp.arange(tests_bk.shape[1])[None, :] < num_draft[:, None])
+
+
+def _prefix_length(accept_bk):
+    """[B] int32: how many leading tests pass."""
     return jnp.sum(jnp.cumprod(accept_bk.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
@@ -105,8 +109,8 @@ def accept_drafts(target_logprobs, draft_logprobs, draft_tokens, num_draft, gree
     # always rejects, and u = 0 accepts iff p > 0.
     accept = jnp.log(uniforms.astype(jnp.float32)) + logq_x < logp_x
     accept = jnp.where(greedy[:, None], _greedy_tests(target_logprobs, draft_tokens), accept)
-    accept &= jnp.arange(draft_tokens.shape[1])[None, :] < num_draft[:, None]
-    return accept, _prefix_length(accept, num_draft)
+    accept = _within_drafts(accept, num_draft)
+    return accept, _prefix_length(accept)
 
 
 def _log_positive_gap(lp, lq):
@@ -167,7 +171,8 @@ def block_accept(target_logprobs, draft_logprobs, draft_tokens, num_draft, greed
     i_k = jnp.arange(1, draft_tokens.shape[1] + 1, dtype=jnp.int32)[None, :]
     num_accepted = jnp.max(jnp.where(uniforms < stop, i_k, 0), axis=1, initial=0)
     log_weight = jnp.take_along_axis(log_w_bk1, num_accepted[:, None], axis=1)[:, 0]
-    greedy_accepted = _prefix_length(_greedy_tests(target_logprobs, draft_tokens), num_draft)
+    greedy_accepted = _prefix_length(_within_drafts(_greedy_tests(target_logprobs, draft_tokens),
+                                                    num_draft))
     num_accepted = jnp.where(greedy, greedy_accepted, num_accepted).astype(jnp.int32)
     return num_accepted, jnp.where(greedy, 0.0, log_weight)
 

@@ -37,8 +37,8 @@ def main(argv=None) -> dict:
     ts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    eval_args = argparse.Namespace(eval_prompts_dir=args.prompts_dir, eval_limit=args.limit,
-                                   eval_max_tokens=args.max_tokens, eval_long_tokens=0)
+    eval_args = ts.eval_args(eval_prompts_dir=args.prompts_dir, eval_limit=args.limit,
+                             eval_max_tokens=args.max_tokens)
     result = ts.stage_engine_eval(eval_args, Path(args.out).parent, check_model_dir(args.target),
                                   {k: check_model_dir(v) for k, v in drafters.items()}, Path(args.out))
     print(json.dumps(result, indent=1))

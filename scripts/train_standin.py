@@ -47,6 +47,32 @@ TOY = dict(tokenizer="train:512", hidden=64, layers=5, heads=4, kv_heads=2, head
            compute_dtype="float32", ckpt_every=50, remat=False)
 
 
+def add_eval_arguments(g) -> None:
+    """The engine eval's options (stage_engine_eval reads them)."""
+    g.add_argument("--eval-prompts-dir",
+                   help="directory with humaneval.jsonl / mbpp.jsonl: tokens per verify step of both "
+                        "drafters through the engine at T = 1 and greedy (measurement only)")
+    g.add_argument("--eval-max-tokens", type=int, default=256)
+    g.add_argument("--eval-limit", type=int, default=0, help="first N prompts of each set (0 = all)")
+    g.add_argument("--eval-long-tokens", type=int, default=0, metavar="N",
+                   help="also evaluate at T = 1 on prompts of >= N tokens built as the bench's busy "
+                        "prompts are (consecutive first turns joined; 0 = off)")
+    g.add_argument("--eval-long-count", type=int, default=16, help="how many such prompts")
+
+
+def eval_args(**given) -> argparse.Namespace:
+    """The engine eval's options at their defaults, `given` (eval_prompts_dir=..., ...) replacing
+    them: for callers of stage_engine_eval outside this script, so a new option needs no edit there."""
+    ap = argparse.ArgumentParser()
+    add_eval_arguments(ap)
+    args = ap.parse_args([])
+    unknown = set(given) - set(vars(args))
+    if unknown:
+        raise TypeError(f"eval_args: unknown options {sorted(unknown)}")
+    vars(args).update(given)
+    return args
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", required=True, action="append",
@@ -158,15 +184,7 @@ def parse_args(argv=None):
     g.add_argument("--ablation-ce", action="store_true",
                    help="also train dspark_ce: DSpark's drafter on the CE-only objective (no L1), at "
                         "the same budget, to isolate what the L1 term does")
-    g.add_argument("--eval-prompts-dir",
-                   help="directory with humaneval.jsonl / mbpp.jsonl: tokens per verify step of both "
-                        "drafters through the engine at T = 1 and greedy (measurement only)")
-    g.add_argument("--eval-max-tokens", type=int, default=256)
-    g.add_argument("--eval-limit", type=int, default=0, help="first N prompts of each set (0 = all)")
-    g.add_argument("--eval-long-tokens", type=int, default=0, metavar="N",
-                   help="also evaluate at T = 1 on prompts of >= N tokens built as the bench's busy "
-                        "prompts are (consecutive first turns joined; 0 = off)")
-    g.add_argument("--eval-long-count", type=int, default=16, help="how many such prompts")
+    add_eval_arguments(g)
     g = ap.add_argument_group("run")
     g.add_argument("--target-minutes", type=float, default=0, help="time box for pre-training (0 = none)")
     g.add_argument("--draft-minutes", type=float, default=0, help="time box per drafter (0 = none)")
@@ -599,7 +617,8 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
     kw = dict(dtype="float32", max_lanes=64, max_context=ctx, prefill_chunk=512)
     stock = LLM(full_target, **kw)
     greedy_ref = [r.token_ids for r in stock.generate(prompts, SamplingParams(temperature=0, max_tokens=args.eval_max_tokens))]
-    result = {"prompts": len(prompts), "max_tokens": args.eval_max_tokens, "dtype": "float32"}
+    result = {"prompts": len(prompts), "max_tokens": args.eval_max_tokens, "dtype": "float32",
+              "verify_rule": stock.engine.ecfg.verify_rule}  # the engines' default accept rule
     def per_request(res) -> dict:  # in prompt order: what scripts/compare_drafters.py pairs
         return {"tokens": [len(r.token_ids) for r in res],
                 "steps": [len(r.token_ids) / r.tokens_per_step if r.tokens_per_step else 0.0
@@ -610,7 +629,6 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
 
     for name, d in drafters.items():
         llm = LLM(full_target, draft=d, **kw)
-        result["verify_rule"] = llm.engine.ecfg.verify_rule  # the engine's default accept rule
         for label, sp in (("t1", SamplingParams(temperature=1.0, seed=0, max_tokens=args.eval_max_tokens)),
                           ("greedy", SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens))):
             res = llm.generate(prompts, [dataclasses.replace(sp, seed=i) for i in range(len(prompts))])

@@ -234,3 +234,16 @@ def test_joined_rows_and_the_long_prompt_eval_run_end_to_end(trained, tmp_path):
         assert len(per["tokens"]) == len(per["steps"]) >= 2
         assert sum(per["tokens"]) / sum(per["steps"]) == pytest.approx(rec["tokens_per_step"], rel=1e-3)
     assert "long" not in summary["engine_eval"]["dspark_greedy"]
+
+
+def test_eval_args_take_the_parsers_defaults():
+    """standin_acceptance builds the engine eval's options through eval_args: every option the
+    script's parser has gets its default, given values win, unknown names are refused."""
+    ts = _script("train_standin")
+    args = ts.eval_args(eval_prompts_dir="p", eval_limit=3)
+    full = ts.parse_args(["--corpus", "c", "--out", "o", "--eval-prompts-dir", "p", "--eval-limit", "3"])
+    for key, value in vars(args).items():
+        assert getattr(full, key) == value, key
+    assert args.eval_long_tokens == 0 and args.eval_max_tokens == 256
+    with pytest.raises(TypeError, match="eval_limt"):
+        ts.eval_args(eval_limt=3)
