@@ -976,6 +976,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="jspec.sampling.CANDIDATE_TOP_K (0: small top-k by bit search too)")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--taps", default="1,9,17,25,33")
+    ap.add_argument("--num-draft", type=int, default=None, help="drafts verified per iteration "
+                    "(default: the block's 7; the bench's team and busy verify 3)")
+    ap.add_argument("--verify-rule", default="block", choices=("block", "token"))
+    ap.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"], default=None,
+                    help="EngineConfig.draft_kv_dtype (the bench's fp8 drafter pool)")
     ap.add_argument("--copy-mib", type=int, default=1024, help="device copy for the bandwidth "
                     "ceiling (read + write counted); 0 skips it")
     ap.add_argument("--source", choices=("auto", "json", "xplane"), default="auto")
@@ -1046,8 +1051,9 @@ def main(argv=None) -> dict:
     eng = Engine(cfg, target, (), EngineConfig(
         max_lanes=args.lanes, page_size=args.page_size,
         max_context=args.context + (args.steps + 1) * width, decode_steps=args.steps,
-        attn_impl=args.attn_impl, batch_invariant=args.batch_invariant), drafter=drafter,
-        draft_cfg=dcfg)
+        attn_impl=args.attn_impl, batch_invariant=args.batch_invariant,
+        verify_rule=args.verify_rule, draft_kv_dtype=args.draft_kv_dtype), drafter=drafter,
+        draft_cfg=dcfg, **({"num_draft": args.num_draft} if args.spec and args.num_draft else {}))
     width = eng.ecfg.step_width if args.spec else 1
 
     def random_caches(caches, seed):
