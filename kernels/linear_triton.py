@@ -62,10 +62,10 @@ that chain is the same whatever M is:
     row alone and among 8..256 rows, all five 8B shapes) passed, and none of 56 timed tilings in
     scripts/bench_linear.py (16-128-row tiles, 16/32-row dots, 64/128 columns, 4/8 warps) changed
     a bit of the default plan's output. Should another GPU or Triton break it, FORCE_BLOCK_M = 16
-    gives every plan the fixed 16-row tile again. The split walks (qkv, o, down under _split_k's
-    rule) are not yet run on the GPU, so plans do not split by default (FORCE_SPLIT_K = 1);
-    scripts/bench_linear.py --split-k times them and tests/test_batch_invariance_gpu.py checks
-    their invariance with explicit splits.
+    gives every plan the fixed 16-row tile again. The split walks (qkv 2, o 2, down 3 under
+    _split_k's rule) are the default since the H200 timed them (2026-12-04, FORCE_SPLIT_K = 1
+    restores the unsplit walk); above V3_TUNED_MAX_ROWS rows (prefill) a v3 plan walks the
+    splits in turn in one program (SPLIT_SERIAL: the same dots and adds, no partials in memory).
 Rows past M are masked to zero and never stored. The XLA twin is `kernels.linear.linear_xla`
 (jnp.einsum with fp32 accumulation: the same math, not batch-invariant).
 """
@@ -95,9 +95,10 @@ SMEM_BUDGET = 160 * 1024  # bytes of pipelined x and w tiles a plan allows (sm_9
 SPLIT_PROGRAMS = 4 * NUM_SMS_DEFAULT
 SPLIT_MIN_STEPS = 16
 MAX_SPLIT_K = 4
-# 1: every plan walks K unsplit (the walk measured on the H200); None: _split_k's rule. Split
-# walks stay opt-in until scripts/bench_linear.py --split-k has timed them on the GPU.
-FORCE_SPLIT_K: int | None = 1
+# None: _split_k's rule (the default since the H200 timed it, 2026-12-04: at 64 verify rows qkv
+# 43 -> 31 us, o 32 -> 22, down 78 -> 47; down at 1-16 rows 60 -> 53 us; docs/benchmarks.md);
+# 1: every plan walks K unsplit, the bits of before.
+FORCE_SPLIT_K: int | None = None
 # The MMA instruction every bf16 plan is built on (module docstring): "v2" mma.sync m16n8k16,
 # "v3" wgmma m64nNk16 in 64/128-row single-dot tiles (both measured invariant on the H200).
 # fp32 inputs take FMA dots in every family. Part of the numerics, like BLOCK_K.
@@ -112,59 +113,91 @@ MMA_FAMILY: str = mma_family_from_env()
 V3_BLOCK_M = 64  # the v3 family's default row tile: one warpgroup, one m64 fragment
 V3_WIDE_N = 16384  # v3 verify plans of at least this many columns take 8 warps
 V3_TUNED_MAX_ROWS = 128  # the most rows the v3 sweep's tiles were measured at
+V3_SPLIT_MIN_PROGRAMS = 96  # split verify plans take 128 columns when that leaves this many
 
 
 def _linear_kernel(x_ptr, w_ptr, y_ptr,
                    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                    BLOCK_M: tl.constexpr, DOT_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IEEE_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, IEEE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+                   SPLIT_SERIAL: tl.constexpr = False):
     """One program = BLOCK_M rows x BLOCK_N columns of y, as BLOCK_M // DOT_M row blocks (each its
     own dot and accumulator) that share every weight tile; grid axis 0 walks the row tiles so the
     programs that read the same weight columns run side by side (the weights come from L2).
     SPLIT_K > 1: grid axis 2 is the split s, which walks its K_SPLIT = K / SPLIT_K (whole BLOCK_K
     steps; the last split's last step masked at K) into y[s] of an [SPLIT_K, M, N] partial.
-    SPLIT_K = 1: the code of before split-K, unchanged (the constexpr branches drop out)."""
+    SPLIT_K = 1: the code of before split-K, unchanged (the constexpr branches drop out).
+    SPLIT_SERIAL (one row block, SPLIT_K > 1): no split axis; the program walks the SPLIT_K runs
+    one after another, each from a zero accumulator as above, and adds them in split order into
+    y: the split grid's partials and `combine`, the same dots and fp32 adds, without the
+    partials' round trip through memory (wide GEMMs, which have programs enough)."""
     BLOCKS: tl.constexpr = BLOCK_M // DOT_M
     PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"  # tf32: the default (bf16: unused)
     K_SPLIT: tl.constexpr = (K + BLOCK_K * SPLIT_K - 1) // (BLOCK_K * SPLIT_K) * BLOCK_K
     K_WALK: tl.constexpr = K if SPLIT_K == 1 else K_SPLIT  # this program's run of k
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, DOT_M)  # row block 0; block j: + j * DOT_M
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    if SPLIT_K > 1:
-        ks += tl.program_id(2) * K_SPLIT  # split s starts at k = s * K_SPLIT
-        y_ptr += tl.program_id(2).to(tl.int64) * M * N  # and writes partial s
-    col_ok = cols < N
-    acc0 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
-    acc1 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
-    x_row = x_ptr + rows[:, None].to(tl.int64) * K
-    for k0 in range(0, K_WALK, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + k[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
-        x = tl.load(x_row + k[None, :], mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-        acc0 += tl.dot(x, w, input_precision=PRECISION)
+    if SPLIT_SERIAL:  # one row block (make_plan): the split runs in turn, summed in order
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        col_ok = cols < N
+        x_row = x_ptr + rows[:, None].to(tl.int64) * K
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, BLOCK_K):
+                k = k0 + ks
+                k_ok = k < K
+                w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + k[:, None],
+                            mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                x = tl.load(x_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += tl.dot(x, w, input_precision=PRECISION)
+            if s == 0:
+                total = acc  # p_0 itself (0 + p_0 would turn a -0.0 into +0.0)
+            else:
+                total = total + acc  # ((p_0 + p_1) + p_2) ...: combine's order
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], total,
+                 mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, DOT_M)  # row block 0 (j: + j * DOT_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        if SPLIT_K > 1:
+            ks += tl.program_id(2) * K_SPLIT  # split s starts at k = s * K_SPLIT
+            y_ptr += tl.program_id(2).to(tl.int64) * M * N  # and writes partial s
+        col_ok = cols < N
+        acc0 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+        acc1 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
+        x_row = x_ptr + rows[:, None].to(tl.int64) * K
+        for k0 in range(0, K_WALK, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + k[:, None],
+                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+            x = tl.load(x_row + k[None, :], mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+            acc0 += tl.dot(x, w, input_precision=PRECISION)
+            if BLOCKS > 1:
+                x = tl.load(x_row + DOT_M * K + k[None, :],
+                            mask=(rows < M - DOT_M)[:, None] & k_ok[None, :], other=0.0)
+                acc1 += tl.dot(x, w, input_precision=PRECISION)
+            if BLOCKS > 2:
+                x = tl.load(x_row + 2 * DOT_M * K + k[None, :],
+                            mask=(rows < M - 2 * DOT_M)[:, None] & k_ok[None, :], other=0.0)
+                acc2 += tl.dot(x, w, input_precision=PRECISION)
+                x = tl.load(x_row + 3 * DOT_M * K + k[None, :],
+                            mask=(rows < M - 3 * DOT_M)[:, None] & k_ok[None, :], other=0.0)
+                acc3 += tl.dot(x, w, input_precision=PRECISION)
+        y = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(y, acc0, mask=(rows < M)[:, None] & col_ok[None, :])
         if BLOCKS > 1:
-            x = tl.load(x_row + DOT_M * K + k[None, :],
-                        mask=(rows < M - DOT_M)[:, None] & k_ok[None, :], other=0.0)
-            acc1 += tl.dot(x, w, input_precision=PRECISION)
+            tl.store(y + DOT_M * N, acc1, mask=(rows < M - DOT_M)[:, None] & col_ok[None, :])
         if BLOCKS > 2:
-            x = tl.load(x_row + 2 * DOT_M * K + k[None, :],
-                        mask=(rows < M - 2 * DOT_M)[:, None] & k_ok[None, :], other=0.0)
-            acc2 += tl.dot(x, w, input_precision=PRECISION)
-            x = tl.load(x_row + 3 * DOT_M * K + k[None, :],
-                        mask=(rows < M - 3 * DOT_M)[:, None] & k_ok[None, :], other=0.0)
-            acc3 += tl.dot(x, w, input_precision=PRECISION)
-    y = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(y, acc0, mask=(rows < M)[:, None] & col_ok[None, :])
-    if BLOCKS > 1:
-        tl.store(y + DOT_M * N, acc1, mask=(rows < M - DOT_M)[:, None] & col_ok[None, :])
-    if BLOCKS > 2:
-        tl.store(y + 2 * DOT_M * N, acc2, mask=(rows < M - 2 * DOT_M)[:, None] & col_ok[None, :])
-        tl.store(y + 3 * DOT_M * N, acc3, mask=(rows < M - 3 * DOT_M)[:, None] & col_ok[None, :])
+            tl.store(y + 2 * DOT_M * N, acc2,
+                     mask=(rows < M - 2 * DOT_M)[:, None] & col_ok[None, :])
+            tl.store(y + 3 * DOT_M * N, acc3,
+                     mask=(rows < M - 3 * DOT_M)[:, None] & col_ok[None, :])
 
 
 _KERNEL = None
@@ -191,21 +224,27 @@ class Plan:
     ieee_dot: bool
     split_k: int = 1
     mma: str = "v2"  # the family (not a constexpr: Triton picks the instruction from the tile)
+    split_serial: bool = False  # the splits walked in turn by one program (same bits, no partials)
+
+    @property
+    def partials(self) -> int:
+        """How many [M, N] partials the kernel writes for `combine` (1: y itself)."""
+        return 1 if self.split_serial else self.split_k
 
     @property
     def grid(self) -> tuple[int, ...]:
         grid = (-(-self.M // self.block_m), -(-self.N // self.block_n))
-        return grid if self.split_k == 1 else grid + (self.split_k,)
+        return grid if self.partials == 1 else grid + (self.split_k,)
 
     def constexprs(self) -> dict:
         return dict(M=self.M, N=self.N, K=self.K, BLOCK_M=self.block_m, DOT_M=self.dot_m,
                     BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, IEEE_DOT=self.ieee_dot,
-                    SPLIT_K=self.split_k)
+                    SPLIT_K=self.split_k, SPLIT_SERIAL=self.split_serial)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
         """What the kernel writes: y [M, N], or the partials [split_k, M, N] (see combine)."""
-        return (self.M, self.N) if self.split_k == 1 else (self.split_k, self.M, self.N)
+        return (self.M, self.N) if self.partials == 1 else (self.split_k, self.M, self.N)
 
 
 def combine(partials, split_k: int):
@@ -280,7 +319,7 @@ def _num_stages(block_m: int, block_n: int, ieee_dot: bool) -> int:
 
 
 def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stages,
-                  split_k) -> Plan:
+                  split_k, split_serial=None) -> Plan:
     """The wgmma family: one dot per program of block_m (64, or 128 with 8 warps) rows and 4 or
     8 warps, whatever M, so Triton lowers it to wgmma.m64nNk16. Column tiles as v2's: up to 16
     rows the programs-per-SM rule (decode at N = 4096: 16 columns, 256 programs), above it
@@ -291,7 +330,9 @@ def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stage
     unchanged); measured again in the engine: a 16-lane speculative iteration 12.03 -> 11.48 ms.
     Above V3_TUNED_MAX_ROWS the 128-column, 4-warp tile: at 256 rows it beat the 128-row choice
     (down 86.0 vs 91.8 us, gate_up 146.9 vs 151.8 us; o the other way, 42.6 vs 39.9 us; not
-    swept there). None of these changes a bit."""
+    swept there). Split verify plans (2026-12-04 sweep at 64 rows, all split): 128 columns
+    where that still gives V3_SPLIT_MIN_PROGRAMS programs, else 64 (qkv 128: 30.5 us; o 64:
+    21.8 vs 32.2; down 128 with 8 warps: 47.4 vs 56.1). None of these changes a bit."""
     block_m = block_m or V3_BLOCK_M
     if block_m not in (64, 128):
         raise ValueError(f"the v3 (wgmma) family takes 64- or 128-row tiles, got block_m={block_m}")
@@ -299,27 +340,39 @@ def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stage
         raise ValueError(f"the v3 (wgmma) family computes a tile in one dot: dot_m must be "
                          f"block_m ({block_m}), got {dot_m}")
     tuned = MMA_M < M <= V3_TUNED_MAX_ROWS  # verify at 3..16 lanes: the 128-row sweep's tiles
-    if num_warps is None:  # 8 warps: the wide-N verify GEMM (gate_up) at 64-row tiles
-        num_warps = 8 if block_m == 128 or (tuned and N >= V3_WIDE_N) else 4
+    split_walk = -(-K // BLOCK_K) // split_k  # BLOCK_K steps per split
+    if split_serial is None:  # prefill-sized GEMMs have programs enough without a split axis
+        split_serial = split_k > 1 and M > V3_TUNED_MAX_ROWS
+    if num_warps is None:  # 8 warps: the wide-N verify GEMM (gate_up) at 64-row tiles, and the
+        # long split walks (down: 3 x 32 steps, 47 vs 58 us at 64 rows)
+        num_warps = 8 if block_m == 128 or (tuned and (
+            N >= V3_WIDE_N or (split_k > 1 and split_walk >= 32))) else 4
+        if split_serial and split_k > 2:  # a running total beside the accumulator: with 4 warps
+            num_warps = 8  # down's 3-way walk spilled (sm_90 compile, 64 bytes)
     if num_warps not in (4, 8):
         raise ValueError(f"the v3 (wgmma) family needs 4 or 8 warps (whole warpgroups), got "
                          f"{num_warps}")
-    if block_n is None:  # verify: 64 columns at N <= 4096 (o, down) up to 128 rows, else 128
+    if block_n is None:
         if M <= MMA_M:
             block_n = _column_tile(M, N, block_m, sms)
-        else:
+        elif tuned and split_k > 1:  # split verify: 128 columns unless that leaves too few programs
+            programs = -(-M // block_m) * -(-N // 128) * split_k
+            block_n = 128 if programs >= V3_SPLIT_MIN_PROGRAMS else 64
+        else:  # unsplit verify: 64 columns at N <= 4096 up to 128 rows, else 128
             block_n = 64 if tuned and N <= 4096 else 128
     if not _pow2(block_n) or not 16 <= block_n <= 256:
         raise ValueError(f"block_n must be a power of two in [16, 256], got {block_n}")
     return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=block_m, block_n=block_n,
                 num_warps=num_warps, num_stages=num_stages or _num_stages(block_m, block_n, False),
-                ieee_dot=False, split_k=split_k, mma="v3")
+                ieee_dot=False, split_k=split_k, mma="v3",
+                split_serial=bool(split_serial and split_k > 1))
 
 
 def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | None = None,
               dot_m: int | None = None, block_n: int | None = None, num_sms: int | None = None,
               num_warps: int | None = None, num_stages: int | None = None,
-              split_k: int | None = None, mma: str | None = None) -> Plan:
+              split_k: int | None = None, mma: str | None = None,
+              split_serial: bool | None = None) -> Plan:
     """Tiles from the shape (none of these choices is meant to change a result's bits; see the
     module docstring). Up to 16 rows (decode) and when wide tiles would leave SMs idle: 16-row
     tiles with the widest column tile (16..128) that still gives two row x column tiles per SM
@@ -348,7 +401,8 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
         mma = "v2" if M <= MIXED_V2_MAX_ROWS else "v3"
     if mma == "v3" and not ieee_dot:
         return _make_plan_v3(M, N, K, block_m=block_m, dot_m=dot_m, block_n=block_n, sms=sms,
-                             num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+                             num_warps=num_warps, num_stages=num_stages, split_k=split_k,
+                             split_serial=split_serial)
     if block_m is None:
         wide = None if (FORCE_BLOCK_M or ieee_dot) else _wide_tiles(M, N, sms, block_n)
         block_m, block_n = wide if wide else (FORCE_BLOCK_M or MMA_M, block_n)
@@ -373,9 +427,12 @@ def make_plan(M: int, N: int, K: int, *, ieee_dot: bool = False, block_m: int | 
                          "not mma.sync: use dot_m <= 32 or num_warps <= 2")
     if num_stages is None:
         num_stages = _num_stages(block_m, block_n, ieee_dot)
+    if split_serial and dot_m != block_m:
+        raise ValueError(f"a serial split walk takes one row block (dot_m == block_m), got "
+                         f"dot_m={dot_m} for block_m={block_m}")
     return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=dot_m, block_n=block_n,
                 num_warps=num_warps, num_stages=num_stages, ieee_dot=bool(ieee_dot),
-                split_k=split_k)
+                split_k=split_k, split_serial=bool(split_serial and split_k > 1))
 
 
 def interpreter_enabled() -> bool:
@@ -385,7 +442,7 @@ def interpreter_enabled() -> bool:
 def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, split_k: int | None = None,
-                  mma: str | None = None):
+                  mma: str | None = None, split_serial: bool | None = None):
     """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant. The
     keyword overrides (row tile, rows per dot, tile width, warps, stages) are for tuning: none is
     meant to change a result's bits (module docstring: checked on the H200 across row tiles).
@@ -406,17 +463,18 @@ def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
         sms = None
     plan = make_plan(M, N, K, ieee_dot=np.dtype(x.dtype) == np.float32, block_m=block_m,
                      dot_m=dot_m, block_n=block_n, num_sms=sms, num_warps=num_warps,
-                     num_stages=num_stages, split_k=split_k, mma=mma)
+                     num_stages=num_stages, split_k=split_k, mma=mma, split_serial=split_serial)
     out = triton_call(
         x, w, kernel=_kernel(), name="linear_bi",
         out_shape=jax.ShapeDtypeStruct(plan.out_shape, jnp.float32), grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs())
-    return combine(out, plan.split_k)
+    return combine(out, plan.partials)
 
 
 def launch_torch(x, w, *, block_m: int | None = None, dot_m: int | None = None,
                  block_n: int | None = None, num_warps: int | None = None,
-                 split_k: int | None = None, mma: str | None = None):
+                 split_k: int | None = None, mma: str | None = None,
+                 split_serial: bool | None = None):
     """The same kernel, plan and combine on torch tensors: Triton's CPU interpreter (tests; the
     process must start with TRITON_INTERPRET=1) or a CUDA torch build."""
     import torch
@@ -427,8 +485,9 @@ def launch_torch(x, w, *, block_m: int | None = None, dot_m: int | None = None,
     M, K = x.shape
     N = w.shape[0]
     plan = make_plan(M, N, K, ieee_dot=x.dtype == torch.float32, block_m=block_m, dot_m=dot_m,
-                     block_n=block_n, num_warps=num_warps, split_k=split_k, mma=mma)
+                     block_n=block_n, num_warps=num_warps, split_k=split_k, mma=mma,
+                     split_serial=split_serial)
     y = torch.full(plan.out_shape, float("nan"), dtype=torch.float32, device=x.device)
     _kernel()[plan.grid](x.contiguous(), w.contiguous(), y, num_warps=plan.num_warps,
                          num_stages=plan.num_stages, **plan.constexprs())
-    return combine(y, plan.split_k)
+    return combine(y, plan.partials)

@@ -84,12 +84,13 @@ def _ints(spec: str, name: str) -> list:
 def cfg_of(plan) -> dict:
     return dict(block_m=plan.block_m, dot_m=plan.dot_m, block_n=plan.block_n,
                 num_warps=plan.num_warps, num_stages=plan.num_stages, split_k=plan.split_k,
-                mma=plan.mma)
+                mma=plan.mma, split_serial=plan.split_serial)
 
 
 def label(cfg: dict) -> str:
     return (f"bm{cfg['block_m']}_dm{cfg['dot_m']}_bn{cfg['block_n']}_w{cfg['num_warps']}"
-            f"_s{cfg['num_stages']}_sk{cfg['split_k']}" + ("_v3" if cfg["mma"] == "v3" else ""))
+            f"_s{cfg['num_stages']}_sk{cfg['split_k']}" + ("_ser" if cfg.get("split_serial") else "")
+            + ("_v3" if cfg["mma"] == "v3" else ""))
 
 
 def sweep_configs(M: int, N: int, K: int, args, num_sms: int | None) -> list[dict]:

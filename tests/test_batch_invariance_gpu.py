@@ -36,10 +36,12 @@ def test_linear_triton_rows_invariant_and_correct(N, K, mma):
 
     from jspec.kernels.linear_triton import _split_k
     ref = np.asarray(jax.jit(linear_xla)(x, w))
-    # The default plan (unsplit), and the split rule's walk (opt-in until timed) where it splits.
+    # The default plan (the split rule's walk), and the unsplit walk (FORCE_SPLIT_K = 1).
     for split in sorted({1, _split_k(N, K)}):
         f = jax.jit(functools.partial(linear_triton, split_k=split, mma=mma))
-        full = np.asarray(f(x, w))  # 256 rows: the widest row tiles the plan picks
+        # 256 rows: the widest row tiles the plan picks; in v3 / mixed a split shape walks its
+        # splits in turn in one program there (split_serial), against the split grid below.
+        full = np.asarray(f(x, w))
         for m in (1, 8, 16, 32, 128):  # every row, not only row 0: rows in later dot blocks too
             np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m],
                                           err_msg=f"{mma} split {split}, {m} rows")

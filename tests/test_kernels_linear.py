@@ -164,6 +164,9 @@ def test_split_k_is_the_ordered_sum_of_fixed_walks(interpreted, split):
     if split > 2:  # another order of the same partials: (p0 + p1) + (p2 + p3) differs somewhere
         other = (parts[0] + parts[1]) + (parts[2] + parts[3])
         assert (other != base).any()
+    for bm in (16, 64):  # the serial walk (wide GEMMs): the same ordered sum, bit for bit
+        np.testing.assert_array_equal(interpreted[f"sk{split}_serial_{bm}"], base,
+                                      err_msg=f"serial, {bm}-row tiles")
     unsplit = interpreted["sk1_inv70"]
     if split < INV_K_SPLIT // 128:
         assert (unsplit != base).any()
@@ -195,20 +198,23 @@ def test_split_k_depends_on_n_and_k_only(monkeypatch):
         pytest.skip("triton not installed")
     import jspec.kernels.linear_triton as lt
     from jspec.kernels.linear_triton import BLOCK_K, MAX_SPLIT_K, SPLIT_MIN_STEPS, _split_k
-    assert lt.FORCE_SPLIT_K == 1  # opt-in until timed on the GPU: the default plan walks unsplit
-    assert all(lt.make_plan(M, N, K).split_k == 1 for N, K in QWEN3_8B.values() for M in PLAN_ROWS)
-    monkeypatch.setattr(lt, "FORCE_SPLIT_K", None)  # plans take the rule
+    assert lt.FORCE_SPLIT_K is None  # the default since the H200 timed it: plans take the rule
     for name, (N, K) in QWEN3_8B.items():
         want = QWEN3_8B_SPLITS[name]
         assert _split_k(N, K) == want, name
         for M in PLAN_ROWS + (2, 3, 5, 7, 9, 100, 200, 255):
             for kw in ({}, dict(ieee_dot=True), dict(num_sms=114), dict(block_m=16),
-                       dict(block_n=128), dict(num_warps=8)):
+                       dict(block_n=128), dict(num_warps=8), dict(mma="v3"), dict(mma="mixed")):
                 plan = lt.make_plan(M, N, K, **kw)
                 assert plan.split_k == want, (name, M, kw)
+                # The serial walk (no partials) only for wide GEMMs of the v3 family.
+                serial = want > 1 and M > lt.V3_TUNED_MAX_ROWS and plan.mma == "v3"
+                assert plan.split_serial == serial, (name, M, kw)
+                assert plan.partials == (1 if serial else want)
+                assert plan.constexprs()["SPLIT_SERIAL"] == serial
                 grid = plan.grid
-                assert grid[2:] == ((want,) if want > 1 else ())
-                assert plan.out_shape == ((M, N) if want == 1 else (want, M, N))
+                assert grid[2:] == ((want,) if plan.partials > 1 else ())
+                assert plan.out_shape == ((M, N) if plan.partials == 1 else (want, M, N))
         if want > 1:  # whole steps, each split long enough
             assert K % (want * BLOCK_K) == 0 and K // want // BLOCK_K >= SPLIT_MIN_STEPS
     # The rule's fallback: o (32 steps) would take 3 splits for 528 programs; 3 does not divide
@@ -225,10 +231,16 @@ def test_split_k_depends_on_n_and_k_only(monkeypatch):
     for bad in (0, 3, 5):
         with pytest.raises(ValueError, match="split_k"):
             lt.make_plan(1, 4096, 4096, split_k=bad)
-    # FORCE_SPLIT_K = 1: the unsplit walk everywhere.
+    # A serial walk needs one row block; an unsplit plan is never serial.
+    with pytest.raises(ValueError, match="serial"):
+        lt.make_plan(256, 4096, 4096, mma="v2", split_serial=True)
+    assert lt.make_plan(256, 4096, 4096, mma="v2", block_m=16, split_serial=True).grid[2:] == ()
+    assert not lt.make_plan(512, 24576, 4096, mma="v3", split_serial=True).split_serial
+    # FORCE_SPLIT_K = 1: the unsplit walk everywhere (the bits of before split-K).
     monkeypatch.setattr(lt, "FORCE_SPLIT_K", 1)
     for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS):
-        assert lt.make_plan(M, N, K).split_k == 1
+        plan = lt.make_plan(M, N, K, mma="mixed")
+        assert plan.split_k == 1 and not plan.split_serial and plan.grid[2:] == ()
 
 
 def test_plan_depends_on_the_shape_only_where_it_may(monkeypatch):
@@ -287,14 +299,21 @@ def test_v3_plans_are_one_wgmma_tile_whatever_the_rows(monkeypatch):
     for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS):
         p = make_plan(M, N, K, mma="v3")
         tuned = 16 < M <= lt.V3_TUNED_MAX_ROWS  # the measured verify tiles
-        warps = 8 if tuned and N >= lt.V3_WIDE_N else 4
+        split = p.split_k
+        long_walk = split > 1 and K // BLOCK_K // split >= 32  # down: 3 runs of 32 steps
+        warps = 8 if tuned and (N >= lt.V3_WIDE_N or long_walk) else 4
+        if p.split_serial and split > 2:  # the running total's registers (down, prefill)
+            warps = 8
         assert (p.mma, p.block_m, p.dot_m, p.num_warps) == ("v3", 64, 64, warps), (M, N, K)
-        if M > 16:
+        if tuned and split > 1:  # 128 columns unless too few programs (o at 64 rows: 64)
+            enough = -(-M // 64) * -(-N // 128) * split >= lt.V3_SPLIT_MIN_PROGRAMS
+            assert p.block_n == (128 if enough else 64), (M, N, K)
+        elif M > 16:
             assert p.block_n == (64 if tuned and N <= 4096 else 128), (M, N, K)
         assert p.constexprs()["BLOCK_K"] == BLOCK_K and p.split_k == make_plan(M, N, K).split_k
         assert p.num_stages * (p.block_m + p.block_n) * BLOCK_K * 2 <= SMEM_BUDGET
         assert p.grid[0] == -(-M // 64)
-    assert make_plan(1, 4096, 4096, mma="v3").grid == (1, 256)  # decode: 16 columns, 256 programs
+    assert make_plan(1, 4096, 4096, mma="v3").grid == (1, 256, 2)  # decode: 16 columns, 2 splits
     assert make_plan(256, 4096, 4096, ieee_dot=True, mma="v3").mma == "v2"
     assert make_plan(256, 4096, 4096, mma="v3", block_m=128).num_warps == 8
     for bad, match in ((dict(block_m=32), "64- or 128-row"), (dict(dot_m=32), "one dot"),
@@ -415,6 +434,10 @@ def _interpret_worker(work: Path) -> None:
             out[f"sk{sk}_tiling_{bm}_{dm}_{bn}"] = launch_torch(
                 x, w, block_m=bm, dot_m=dm, block_n=bn, split_k=sk,
                 num_warps=2 if dm >= 64 else None).numpy()
+        for bm in (16, 64):  # the splits in turn in one program: the grid's bits, no partials
+            out[f"sk{sk}_serial_{bm}"] = launch_torch(
+                x, w, block_m=bm, dot_m=bm, block_n=16, split_k=sk, split_serial=True,
+                num_warps=2 if bm >= 64 else None).numpy()
         ks = INV_K_SPLIT // sk
         for s in range(sk):  # each split's walk alone: the unsplit kernel on its K slice
             out[f"sk{sk}_part{s}"] = launch_torch(x[:, s * ks:(s + 1) * ks].contiguous(),
@@ -428,17 +451,16 @@ def _interpret_worker(work: Path) -> None:
 
 def _sm90_cases():
     """(id, M, N, K, overrides), one per distinct kernel configuration: every plan make_plan makes
-    at Qwen3-8B's shapes for 1..256 rows, unsplit and with the split rule's splits (2 and 3), the 1-2-warp route to a
-    64/128-row dot (override) and a 4-way split of o (override)."""
+    at Qwen3-8B's shapes for 1..256 rows, with the split rule's splits (2 and 3) and unsplit, the
+    1-2-warp route to a 64/128-row dot (override) and a 4-way split of o (override)."""
     try:
         from jspec.kernels.linear_triton import make_plan
     except Exception:  # noqa: BLE001 - no triton: the tests skip
         return [("no_triton", 1, 16, 16, {})]
     cases = {}
     wanted = [((M, N, K), {}) for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS)]
-    # The split rule's plans (opt-in: FORCE_SPLIT_K = 1 by default), by explicit override.
-    from jspec.kernels.linear_triton import _split_k
-    wanted += [((M, N, K), dict(split_k=_split_k(N, K)))
+    # The unsplit walk (FORCE_SPLIT_K = 1, the fallback), by explicit override.
+    wanted += [((M, N, K), dict(split_k=1))
                for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS)]
     wanted += [((256, 4096, 4096), dict(block_m=64, block_n=64, num_warps=2)),
                ((256, 4096, 4096), dict(block_m=128, block_n=32, num_warps=2)),
@@ -506,7 +528,7 @@ def test_linear_compiles_for_sm90(case):
     mmas = re.findall(r"\bmma\.\S+", ptx)
     assert mmas and set(mmas) == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}
     # Only a split kernel reads grid axis 2 (split 1 is the unsplit kernel, its branches gone).
-    assert ("%ctaid.z" in ptx) == (plan.split_k > 1)
+    assert ("%ctaid.z" in ptx) == (plan.partials > 1)
     spills = _spill_bytes(compiled.asm["cubin"])
     assert spills in (None, 0), f"{spills} bytes of spills"
 
@@ -518,9 +540,11 @@ def _sm90_v3_cases():
     except Exception:  # noqa: BLE001 - no triton: the tests skip
         return [("no_triton", 1, 16, 16)]
     cases = {}
-    for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS):
+    for (N, K), M in itertools.product(QWEN3_8B.values(), PLAN_ROWS + (512,)):
         p = make_plan(M, N, K, mma="v3")
-        cases.setdefault(f"bm{p.block_m}_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}", (M, N, K))
+        key = (f"bm{p.block_m}_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}_sk{p.split_k}"
+               + ("_serial" if p.split_serial else ""))
+        cases.setdefault(key, (M, N, K))
     return sorted((k, *v) for k, v in cases.items())
 
 
@@ -542,6 +566,7 @@ def test_v3_plans_compile_to_wgmma_for_sm90(case):
     per_group = plan.block_n // max(1, plan.num_warps // 4 // (plan.block_m // 64))
     assert set(re.findall(r"\bwgmma\.mma_async\S+", ptx)) == {
         f"wgmma.mma_async.sync.aligned.m64n{per_group}k16.f32.bf16.bf16"}
+    assert ("%ctaid.z" in ptx) == (plan.partials > 1)  # a serial walk has no split axis
     assert _spill_bytes(compiled.asm["cubin"]) in (None, 0)
 
 
