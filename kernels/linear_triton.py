@@ -64,8 +64,9 @@ that chain is the same whatever M is:
     a bit of the default plan's output. Should another GPU or Triton break it, FORCE_BLOCK_M = 16
     gives every plan the fixed 16-row tile again. The split walks (qkv 2, o 2, down 3 under
     _split_k's rule) are the default since the H200 timed them (2026-12-04, FORCE_SPLIT_K = 1
-    restores the unsplit walk); above V3_TUNED_MAX_ROWS rows (prefill) a v3 plan walks the
-    splits in turn in one program (SPLIT_SERIAL: the same dots and adds, no partials in memory).
+    restores the unsplit walk); from V3_SERIAL_MIN_ROWS rows a v3 plan walks the splits in
+    turn in one program (SPLIT_SERIAL: the same dots and adds, no partials in memory; measured
+    on the H200 to give the split grid's bits, tests/test_batch_invariance_gpu.py).
 Rows past M are masked to zero and never stored. The XLA twin is `kernels.linear.linear_xla`
 (jnp.einsum with fp32 accumulation: the same math, not batch-invariant).
 """
@@ -96,8 +97,9 @@ SPLIT_PROGRAMS = 4 * NUM_SMS_DEFAULT
 SPLIT_MIN_STEPS = 16
 MAX_SPLIT_K = 4
 # None: _split_k's rule (the default since the H200 timed it, 2026-12-04: at 64 verify rows qkv
-# 43 -> 31 us, o 32 -> 22, down 78 -> 47; down at 1-16 rows 60 -> 53 us; docs/benchmarks.md);
-# 1: every plan walks K unsplit, the bits of before.
+# 43 -> 31 us, o 32 -> 22, down 78 -> 47 in scripts/bench_linear.py, whose repeated calls find
+# much of a weight in L2; in the engine a 16-lane iteration 8.1 -> 7.7 ms and a 32-lane stock
+# step 10.6 -> 9.7 ms; docs/benchmarks.md); 1: every plan walks K unsplit, the bits of before.
 FORCE_SPLIT_K: int | None = None
 # The MMA instruction every bf16 plan is built on (module docstring): "v2" mma.sync m16n8k16,
 # "v3" wgmma m64nNk16 in 64/128-row single-dot tiles (both measured invariant on the H200).
@@ -114,6 +116,12 @@ V3_BLOCK_M = 64  # the v3 family's default row tile: one warpgroup, one m64 frag
 V3_WIDE_N = 16384  # v3 verify plans of at least this many columns take 8 warps
 V3_TUNED_MAX_ROWS = 128  # the most rows the v3 sweep's tiles were measured at
 V3_SPLIT_MIN_PROGRAMS = 96  # split verify plans take 128 columns when that leaves this many
+# From this many rows a split v3 plan walks its splits in turn in one program (SPLIT_SERIAL: the
+# same bits, no split axis, no partials; the unsplit plan's tiles and cost). Measured in the
+# engine (H200, 2026-12-04, same replies as the unsplit run before): the split axis paid at 64
+# rows (team's verify: 8.1 -> 7.7 ms an iteration) and cost at 128 (busy's verify: 13.6 -> 14.2
+# ms), so 128-row verify GEMMs walk serial. Not yet re-measured with this threshold.
+V3_SERIAL_MIN_ROWS = 65
 
 
 def _linear_kernel(x_ptr, w_ptr, y_ptr,
@@ -341,25 +349,26 @@ def _make_plan_v3(M, N, K, *, block_m, dot_m, block_n, sms, num_warps, num_stage
                          f"block_m ({block_m}), got {dot_m}")
     tuned = MMA_M < M <= V3_TUNED_MAX_ROWS  # verify at 3..16 lanes: the 128-row sweep's tiles
     split_walk = -(-K // BLOCK_K) // split_k  # BLOCK_K steps per split
-    if split_serial is None:  # prefill-sized GEMMs have programs enough without a split axis
-        split_serial = split_k > 1 and M > V3_TUNED_MAX_ROWS
-    if num_warps is None:  # 8 warps: the wide-N verify GEMM (gate_up) at 64-row tiles, and the
-        # long split walks (down: 3 x 32 steps, 47 vs 58 us at 64 rows)
-        num_warps = 8 if block_m == 128 or (tuned and (
-            N >= V3_WIDE_N or (split_k > 1 and split_walk >= 32))) else 4
-        if split_serial and split_k > 2:  # a running total beside the accumulator: with 4 warps
-            num_warps = 8  # down's 3-way walk spilled (sm_90 compile, 64 bytes)
-    if num_warps not in (4, 8):
-        raise ValueError(f"the v3 (wgmma) family needs 4 or 8 warps (whole warpgroups), got "
-                         f"{num_warps}")
+    if split_serial is None:  # the split axis only where its programs paid (see the constant)
+        split_serial = split_k > 1 and M >= V3_SERIAL_MIN_ROWS
+    split_grid = split_k > 1 and not split_serial
     if block_n is None:
         if M <= MMA_M:
             block_n = _column_tile(M, N, block_m, sms)
-        elif tuned and split_k > 1:  # split verify: 128 columns unless that leaves too few programs
+        elif tuned and split_grid:  # split verify: 128 columns unless too few programs
             programs = -(-M // block_m) * -(-N // 128) * split_k
             block_n = 128 if programs >= V3_SPLIT_MIN_PROGRAMS else 64
-        else:  # unsplit verify: 64 columns at N <= 4096 up to 128 rows, else 128
+        else:  # unsplit (or serial) verify: 64 columns at N <= 4096 up to 128 rows, else 128
             block_n = 64 if tuned and N <= 4096 else 128
+    if num_warps is None:  # 8 warps: the wide-N verify GEMM (gate_up) at 64-row tiles, and the
+        # long split walks (down: 3 x 32 steps, 47 vs 58 us at 64 rows)
+        num_warps = 8 if block_m == 128 or (tuned and (
+            N >= V3_WIDE_N or (split_grid and split_walk >= 32))) else 4
+        if split_serial and split_k > 2 and block_n >= 128:  # a running total beside the
+            num_warps = 8  # accumulator: down's 3-way walk in 64 x 128 with 4 warps spilled
+    if num_warps not in (4, 8):
+        raise ValueError(f"the v3 (wgmma) family needs 4 or 8 warps (whole warpgroups), got "
+                         f"{num_warps}")
     if not _pow2(block_n) or not 16 <= block_n <= 256:
         raise ValueError(f"block_n must be a power of two in [16, 256], got {block_n}")
     return Plan(M=M, N=N, K=K, block_m=block_m, dot_m=block_m, block_n=block_n,

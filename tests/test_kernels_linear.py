@@ -208,7 +208,7 @@ def test_split_k_depends_on_n_and_k_only(monkeypatch):
                 plan = lt.make_plan(M, N, K, **kw)
                 assert plan.split_k == want, (name, M, kw)
                 # The serial walk (no partials) only for wide GEMMs of the v3 family.
-                serial = want > 1 and M > lt.V3_TUNED_MAX_ROWS and plan.mma == "v3"
+                serial = want > 1 and M >= lt.V3_SERIAL_MIN_ROWS and plan.mma == "v3"
                 assert plan.split_serial == serial, (name, M, kw)
                 assert plan.partials == (1 if serial else want)
                 assert plan.constexprs()["SPLIT_SERIAL"] == serial
@@ -300,16 +300,18 @@ def test_v3_plans_are_one_wgmma_tile_whatever_the_rows(monkeypatch):
         p = make_plan(M, N, K, mma="v3")
         tuned = 16 < M <= lt.V3_TUNED_MAX_ROWS  # the measured verify tiles
         split = p.split_k
-        long_walk = split > 1 and K // BLOCK_K // split >= 32  # down: 3 runs of 32 steps
-        warps = 8 if tuned and (N >= lt.V3_WIDE_N or long_walk) else 4
-        if p.split_serial and split > 2:  # the running total's registers (down, prefill)
-            warps = 8
-        assert (p.mma, p.block_m, p.dot_m, p.num_warps) == ("v3", 64, 64, warps), (M, N, K)
-        if tuned and split > 1:  # 128 columns unless too few programs (o at 64 rows: 64)
+        assert p.split_serial == (split > 1 and M >= lt.V3_SERIAL_MIN_ROWS), (M, N, K)
+        grid_split = split > 1 and not p.split_serial  # the split axis: 17..64 rows
+        long_walk = grid_split and K // BLOCK_K // split >= 32  # down: 3 runs of 32 steps
+        if tuned and grid_split:  # 128 columns unless too few programs (o at 64 rows: 64)
             enough = -(-M // 64) * -(-N // 128) * split >= lt.V3_SPLIT_MIN_PROGRAMS
             assert p.block_n == (128 if enough else 64), (M, N, K)
-        elif M > 16:
+        elif M > 16:  # unsplit or serial: the unsplit plan's tiles
             assert p.block_n == (64 if tuned and N <= 4096 else 128), (M, N, K)
+        warps = 8 if tuned and (N >= lt.V3_WIDE_N or long_walk) else 4
+        if p.split_serial and split > 2 and p.block_n >= 128:  # the running total's registers
+            warps = 8
+        assert (p.mma, p.block_m, p.dot_m, p.num_warps) == ("v3", 64, 64, warps), (M, N, K)
         assert p.constexprs()["BLOCK_K"] == BLOCK_K and p.split_k == make_plan(M, N, K).split_k
         assert p.num_stages * (p.block_m + p.block_n) * BLOCK_K * 2 <= SMEM_BUDGET
         assert p.grid[0] == -(-M // 64)
