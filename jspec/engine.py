@@ -359,21 +359,35 @@ class Engine:
         return True
 
     def _admit(self, waiting: collections.deque, on_update) -> None:
+        """Gives free lanes to waiting requests and prefills them. The prefills of one round are
+        all launched before the first token is read: the device runs them back to back while
+        the host prepares the next, instead of idling through one sync per request."""
         while waiting and None in self.lanes:
-            req = waiting[0]
-            context = len(req.context_ids)
-            need = self.cache_shape.pages_for(max(context, self._window_end(req)))
-            pages = self.allocator.allocate(need)
-            if pages is None:
-                return  # wait for pages: running lanes finish or get preempted
-            waiting.popleft()
-            req.lane, req.pages, req.admitted_at = self.lanes.index(None), pages, next(self._admissions)
-            self.lanes[req.lane] = req
-            self._prefill(req)
-            if on_update:
-                on_update(req)
-            if req.finished:
-                self._retire(req)
+            t0, launched, blocked = time.perf_counter(), [], False
+            while waiting and None in self.lanes:
+                req = waiting[0]
+                context = len(req.context_ids)
+                need = self.cache_shape.pages_for(max(context, self._window_end(req)))
+                pages = self.allocator.allocate(need)
+                if pages is None:
+                    blocked = True  # wait for pages: running lanes finish or get preempted
+                    break
+                waiting.popleft()
+                req.lane, req.pages = self.lanes.index(None), pages
+                req.admitted_at = next(self._admissions)
+                self.lanes[req.lane] = req
+                launched.append((req, self._launch_prefill(req)))
+            for req, first in launched:  # in admission order, as one request at a time did
+                if first is not None:
+                    token, logprob = first
+                    self._emit(req, [int(token[0])], [float(logprob[0])])
+                if on_update:
+                    on_update(req)
+                if req.finished:
+                    self._retire(req)
+            self.stats["time_prefill_s"] += time.perf_counter() - t0
+            if blocked:
+                return
 
     def _page_row(self, req: Request) -> np.ndarray:
         row = np.full(self.ecfg.pages_per_lane, NULL_PAGE, np.int32)
@@ -391,6 +405,14 @@ class Engine:
         becomes the next step's input again: nothing is sampled twice, so the continuation uses
         exactly the random draws it would have used without preemption."""
         t0 = time.perf_counter()
+        first = self._launch_prefill(req)
+        if first is not None:
+            self._emit(req, [int(first[0][0])], [float(first[1][0])])
+        self.stats["time_prefill_s"] += time.perf_counter() - t0
+
+    def _launch_prefill(self, req: Request):
+        """_prefill's device work, not waited for: (token, logprob) device arrays of a fresh
+        request's first token, or None for a resumed one."""
         resumed = bool(req.output_ids)
         context = req.context_ids[:-1] if resumed else req.context_ids
         chunk, sizes = self.ecfg.prefill_chunk, self.ecfg.prefill_sizes()
@@ -404,9 +426,7 @@ class Engine:
                 self.params, self.caches, jnp.asarray(tokens), jnp.int32(start),
                 jnp.int32(len(piece)), row, sampling)
         self.stats["prefill_tokens"] += len(context)
-        if not resumed:
-            self._emit(req, [int(token[0])], [float(logprob[0])])
-        self.stats["time_prefill_s"] += time.perf_counter() - t0
+        return None if resumed else (token, logprob)
 
     def precompile_prefill(self) -> None:
         """Compiles the prefill at every padded size now (a benchmark's warm-up), so that no

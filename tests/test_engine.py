@@ -381,3 +381,33 @@ def test_prefill_buckets_sizes_outputs_and_no_recompilation(model, monkeypatch):
     for a, b in zip(runs[False], runs[True]):
         assert a.output_ids == b.output_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_admission_launches_a_rounds_prefills_before_reading_a_token(model, monkeypatch):
+    """Three free lanes, six requests: the first round's three prefills are all launched before
+    the host reads the first prefill's token (no sync per request), the tokens are emitted in
+    admission order, and the outputs are the one-request-at-a-time engine's (a request that ends
+    at its first token frees its lane for the next round)."""
+    eng = _engine(model)
+    events = []
+    prefill, emit = eng.programs.prefill, eng._emit
+
+    def logged_prefill(*a, **kw):
+        events.append("prefill")
+        return prefill(*a, **kw)
+
+    def logged_emit(req, *a, **kw):
+        events.append(("emit", req.request_id))
+        return emit(req, *a, **kw)
+
+    monkeypatch.setattr(eng.programs, "prefill", logged_prefill)
+    monkeypatch.setattr(eng, "_emit", logged_emit)
+    specs = [(5, 1), (20, 7), (9, 12), (33, 3), (3, 1), (17, 5)]  # 20 tokens: two chunks of 16
+    reqs = eng.generate(_requests(specs))
+    first_emit = next(i for i, e in enumerate(events) if e != "prefill")
+    assert events[:first_emit] == ["prefill"] * sum(-(-n // 16) for n, _ in specs[:3])  # chunks
+    assert events[first_emit:first_emit + 3] == [("emit", 0), ("emit", 1), ("emit", 2)]
+    one_lane = _engine(model, max_lanes=1).generate(_requests(specs))
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in one_lane]
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1
