@@ -14,6 +14,11 @@ configuration with another split_k (or another MMA family: the v2 16-row fallbac
 (`bits.differ_from_plan` should stay empty). Every output is checked against XLA's
 (`max_rel_err_vs_xla`).
 
+Timing: 20 dependent calls in one program, rotating through copies of the weight that hold
+--rotate-mib (512) together, so each call reads its weight from HBM as a layer of the model does;
+before 2026-12-04 one weight was repeated, which the 50 MB L2 partly held, and that flattered the
+split plans 4x against the engine (docs/benchmarks.md).
+
 Order: first XLA, the plan, the 16-row fallback and the unsplit walk at every (shape, rows); then
 the sweep at each of --sweep-rows in turn, one configuration at a time across all shapes (widest
 row tiles first), until --budget-s: a cut loses the same configurations on every shape, and the
@@ -43,27 +48,50 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
 WARP_TILE = (16 * 32, 64 * 64)
 
 
-def timeit(f, x, w, chain: int = 20, reps: int = 7):
+def timeit(f, x, ws, chain: int = 20, reps: int = 7):
     """(seconds per call, the first call's output): `chain` dependent calls unrolled in one jitted
-    program (no host dispatch or loop sync between them), median over `reps` programs."""
+    program (no host dispatch or loop sync between them), median over `reps` programs. Call i
+    multiplies by ws[i % len(ws)]: distinct copies of the weight whose bytes together pass the L2,
+    so that each call streams its weight from HBM as a model's next layer does (one weight
+    repeated stays in the H200's 50 MB L2 when it fits, and flatters: see weight_copies)."""
     import jax
 
+    ws = tuple(ws)
+
     @jax.jit
-    def chained(x, w):
-        y0 = f(x, w)
+    def chained(x, ws):
+        y0 = f(x, ws[0])
         acc = jax.lax.dynamic_update_slice(x, y0[:1, :1].astype(x.dtype), (0, 0))
-        for _ in range(chain - 1):
-            y = f(acc, w)
+        for i in range(1, chain):
+            y = f(acc, ws[i % len(ws)])
             acc = jax.lax.dynamic_update_slice(x, y[:1, :1].astype(x.dtype), (0, 0))
         return acc, y0
 
-    _, y0 = jax.block_until_ready(chained(x, w))
+    _, y0 = jax.block_until_ready(chained(x, ws))
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(chained(x, w))
+        jax.block_until_ready(chained(x, ws))
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2] / chain, y0
+
+
+def copies_for(weight_bytes: int, rotate_mib: float, chain: int = 20) -> int:
+    """How many distinct weight buffers the chain rotates through: enough that together they
+    hold rotate_mib (0: one buffer, the weight repeated), at most one per call of the chain."""
+    if rotate_mib <= 0:
+        return 1
+    return max(1, min(chain, -(-int(rotate_mib * 2 ** 20) // weight_bytes)))
+
+
+def weight_copies(w, rotate_mib: float) -> tuple:
+    """w and copies of it in their own buffers (the same values: every call's output is the
+    same function of its input). Measured on the H200 (2026-12-04): with the weight repeated, the
+    split plans' gain at 64 rows looked 4x what the engine then measured."""
+    import jax.numpy as jnp
+
+    n = copies_for(w.size * w.dtype.itemsize, rotate_mib)
+    return (w,) + tuple(jnp.array(w, copy=True) for _ in range(n - 1))
 
 
 def _ints(spec: str, name: str) -> list:
@@ -139,6 +167,10 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="of " + ",".join(SHAPES))
     ap.add_argument("--rows", default="1,8,32,256", help="M: XLA, the plan, the 16-row fallback")
     ap.add_argument("--sweep-rows", default=None, help="M values to sweep (default: --rows)")
+    ap.add_argument("--rotate-mib", type=float, default=512,
+                    help="the timed chain rotates through copies of each weight holding this "
+                         "many MiB, so calls read weights from HBM (0: one weight, L2-warm, the "
+                         "measurement before 2026-12-04)")
     ap.add_argument("--block-m", default="16,32,64,128", help="row tiles ('auto': the plan's)")
     ap.add_argument("--dot-m", default="auto", help="rows per dot; auto: the plan's rule (the "
                     "whole tile up to 32 rows or with <= 2 warps, else 32-row blocks)")
@@ -214,13 +246,13 @@ def main(argv=None) -> None:
     def run(name, M, cfg, y_plan):
         """Time one configuration (None: the default plan, no overrides), check it against XLA
         and compare its output with the default plan's; the record entry and the output."""
-        x, w, _, y_xla = data[name, M]
+        x, ws, _, y_xla = data[name, M]
         N, K = shapes[name]
         f = linear_triton if cfg is None else functools.partial(linear_triton, **cfg)
         plan = make_plan(M, N, K, num_sms=sms, **(cfg or {}))
         entry = {**cfg_of(plan), "label": label(cfg_of(plan))}
         try:
-            t, y = timeit(f, x, w)
+            t, y = timeit(f, x, ws)
         except Exception as e:  # noqa: BLE001 - e.g. shared memory overflow; keep the others
             entry["error"] = str(e)[:200]
             return entry, None
@@ -245,13 +277,14 @@ def main(argv=None) -> None:
     for name, (N, K) in shapes.items():
         kw, kx = jax.random.split(jax.random.fold_in(key, N * 7 + K))
         w = (0.02 * jax.random.normal(kw, (N, K), jnp.float32)).astype(jnp.bfloat16)
+        ws = weight_copies(w, args.rotate_mib)
         for M in sorted(set(rows) | set(sweep_rows)):
             x = jax.random.normal(jax.random.fold_in(kx, M), (M, K), jnp.float32)
             x = x.astype(jnp.bfloat16)
-            t_xla, y_xla = timeit(linear_xla, x, w)
-            data[name, M] = (x, w, None, y_xla)
+            t_xla, y_xla = timeit(linear_xla, x, ws)
+            data[name, M] = (x, ws, None, y_xla)
             entry, y_plan = run(name, M, None, None)
-            data[name, M] = (x, w, y_plan, y_xla)
+            data[name, M] = (x, ws, y_plan, y_xla)
             row = {"shape": name, "N": N, "K": K, "M": M, "xla_us": t_xla * 1e6,
                    "xla_TBps": gbytes(M, N, K) / t_xla / 1e3, "plan": entry, "legacy": None,
                    "unsplit": None, "triton": [], "skipped": 0,
