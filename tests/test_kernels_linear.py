@@ -38,6 +38,9 @@ INVARIANCE_ROWS = (1, 5, 16, 33, 70)  # the same first row inside GEMMs of these
 INV_N, INV_K = 48, 384
 INV_SPLITS = (2, 4)  # the same, split: K = 512 (4 steps) in 2 or 4 runs
 INV_K_SPLIT = 512
+# (M, N, K, split): serial walks against the split grid where K ends inside the last split's
+# last step (500 = 2 runs of 2 steps, 300 = 3 runs of 1 step) and M inside a row tile.
+SERIAL_RAGGED = [(70, 40, 500, 2), (33, 24, 300, 3)]
 # (block_m, dot_m, block_n): row tilings of all 70 rows, 16..128-row tiles of 1..4 row blocks.
 TILINGS = [(16, 16, 16), (16, 16, 64), (32, 32, 32), (32, 16, 16), (64, 32, 64), (64, 16, 32),
            (64, 64, 16), (128, 32, 32), (128, 64, 64), (128, 128, 16)]
@@ -173,6 +176,20 @@ def test_split_k_is_the_ordered_sum_of_fixed_walks(interpreted, split):
         np.testing.assert_allclose(unsplit, base, rtol=1e-5, atol=1e-5 * np.abs(base).max())
     else:
         np.testing.assert_array_equal(unsplit, base)
+
+
+@pytest.mark.parametrize("case", SERIAL_RAGGED, ids=lambda c: f"M{c[0]}_K{c[2]}_sk{c[3]}")
+def test_serial_split_walk_equals_the_split_grid_at_ragged_k(interpreted, case):
+    """The serial walk (one program, the runs in turn) stores the split grid's bits when K ends
+    inside the last run's last step and M inside the last row tile; both are the product."""
+    M, N, K, sk = case
+    grid = interpreted[f"ragged_{M}_{K}_{sk}_False"]
+    serial = interpreted[f"ragged_{M}_{K}_{sk}_True"]
+    assert serial.shape == (M, N) and np.isfinite(serial).all()
+    np.testing.assert_array_equal(serial, grid)
+    x, w = _inputs(97, M, N, K, "bfloat16")
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(serial, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def _legacy_plan(M, N, K, sms=132):
@@ -445,6 +462,12 @@ def _interpret_worker(work: Path) -> None:
             out[f"sk{sk}_part{s}"] = launch_torch(x[:, s * ks:(s + 1) * ks].contiguous(),
                                                   w[:, s * ks:(s + 1) * ks].contiguous(),
                                                   block_n=16, split_k=1).numpy()
+    for M, N, K, sk in SERIAL_RAGGED:  # the last split's last step masked at K
+        x, w = (torch.from_numpy(a).to(torch.bfloat16) for a in _inputs(97, M, N, K, "bfloat16"))
+        for serial in (False, True):
+            out[f"ragged_{M}_{K}_{sk}_{serial}"] = launch_torch(
+                x, w, block_m=64, dot_m=64, block_n=16, split_k=sk, split_serial=serial,
+                num_warps=2).numpy()
     _attention_worker(out)
     np.savez(work / "out.npz", **out)
 
