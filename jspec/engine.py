@@ -378,14 +378,13 @@ class Engine:
                 self.lanes[req.lane] = req
                 launched.append((req, self._launch_prefill(req)))
             for req, first in launched:  # in admission order, as one request at a time did
-                if first is not None:
-                    token, logprob = first
-                    self._emit(req, [int(token[0])], [float(logprob[0])])
+                self._emit_first(req, first)
+            self.stats["time_prefill_s"] += time.perf_counter() - t0
+            for req, _ in launched:
                 if on_update:
                     on_update(req)
                 if req.finished:
                     self._retire(req)
-            self.stats["time_prefill_s"] += time.perf_counter() - t0
             if blocked:
                 return
 
@@ -405,10 +404,14 @@ class Engine:
         becomes the next step's input again: nothing is sampled twice, so the continuation uses
         exactly the random draws it would have used without preemption."""
         t0 = time.perf_counter()
-        first = self._launch_prefill(req)
-        if first is not None:
-            self._emit(req, [int(first[0][0])], [float(first[1][0])])
+        self._emit_first(req, self._launch_prefill(req))
         self.stats["time_prefill_s"] += time.perf_counter() - t0
+
+    def _emit_first(self, req: Request, first) -> None:
+        """Reads a fresh request's first token from its prefill (a sync) and emits it."""
+        if first is not None:
+            token, logprob = first
+            self._emit(req, [int(token[0])], [float(logprob[0])])
 
     def _launch_prefill(self, req: Request):
         """_prefill's device work, not waited for: (token, logprob) device arrays of a fresh

@@ -143,16 +143,16 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr,
     PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"  # tf32: the default (bf16: unused)
     K_SPLIT: tl.constexpr = (K + BLOCK_K * SPLIT_K - 1) // (BLOCK_K * SPLIT_K) * BLOCK_K
     K_WALK: tl.constexpr = K if SPLIT_K == 1 else K_SPLIT  # this program's run of k
-    if SPLIT_SERIAL:  # one row block (make_plan): the split runs in turn, summed in order
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, DOT_M)  # row block 0 (j: + j * DOT_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    x_row = x_ptr + rows[:, None].to(tl.int64) * K
+    if SPLIT_SERIAL:  # one row block (make_plan: DOT_M == BLOCK_M): the runs in turn, in order
         row_ok = rows < M
-        col_ok = cols < N
-        x_row = x_ptr + rows[:, None].to(tl.int64) * K
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        total = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, BLOCK_K):
                 k = k0 + ks
                 k_ok = k < K
@@ -167,18 +167,13 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr,
         tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], total,
                  mask=row_ok[:, None] & col_ok[None, :])
     else:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, DOT_M)  # row block 0 (j: + j * DOT_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
         if SPLIT_K > 1:
             ks += tl.program_id(2) * K_SPLIT  # split s starts at k = s * K_SPLIT
             y_ptr += tl.program_id(2).to(tl.int64) * M * N  # and writes partial s
-        col_ok = cols < N
         acc0 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
         acc1 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
         acc3 = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
-        x_row = x_ptr + rows[:, None].to(tl.int64) * K
         for k0 in range(0, K_WALK, BLOCK_K):
             k = k0 + ks
             k_ok = k < K
