@@ -3,6 +3,7 @@
     python scripts/bench_attention.py --out bench_attention.json            # ~1-2 min on an H200
     python scripts/bench_attention.py --out sweep.json --sweep              # + tiling sweep,
                                                       ~5-8 min, stops sweeping at --budget-s
+    python scripts/bench_attention.py --out pf.json --prefill-sweep         # busy's prefill chunk
 
 Measures device-to-device copy bandwidth first (read + write counted), then for each scenario
 (Qwen3-8B attention: 32 q heads, 8 kv heads, D 128, bf16) the median time of one call, the KV
@@ -103,7 +104,8 @@ def run_scenario(name, num_lanes, ctx, q_len, page_size, copy_tb_s, *, inner, re
                    tflops=flops / t / 1e12, max_abs_err_vs_xla=err, note=note)
         rows.append(row)
         print(f"  {impl:8s} {config:44s} {t * 1e6:9.1f} us  {row['kv_tb_s']:5.2f} TB/s  "
-              f"{100 * row['frac_copy']:5.1f}% copy  err {err}", flush=True)
+              f"{100 * row['frac_copy']:5.1f}% copy  {row['tflops']:6.1f} TFLOP/s  err {err}",
+              flush=True)
 
     ref = None
     if with_xla:
@@ -160,11 +162,37 @@ def sweep_configs():
     return configs
 
 
+def prefill_sweep_configs():
+    """Query rows x KV tile x warps x stages for a 512-query prefill chunk (one split, the plan's
+    choice for prefill). block_q 16 / 32 make 64- / 128-row tiles of queries x heads. Left out:
+    the tiles that spill registers when compiled for sm_90 (4 warps with 64+ keys at 128 rows,
+    4 warps with 128 keys at 64 rows); tests/test_kernels_attention.py compiles every one."""
+    configs = [{}]
+    for block_q, block_n, warps in [(16, 32, (4, 8)), (16, 64, (4, 8)), (16, 128, (8,)),
+                                    (32, 32, (4, 8)), (32, 64, (8,)), (32, 128, (8,))]:
+        for num_warps in warps:
+            for num_stages in (2, 3):
+                configs.append(dict(block_q=block_q, block_n=block_n, num_warps=num_warps,
+                                    num_stages=num_stages, num_splits=1))
+    return configs
+
+
+PREFILL_SWEEP_SCENARIOS = [  # busy's chunks: 512 queries, page size 16, 1,024-4,096 tokens cached
+    ("prefill 1x1024 chunk512 ps16", 1, 1024, 512, 16),
+    ("prefill 1x3072 chunk512 ps16", 1, 3072, 512, 16),
+    ("prefill 1x4096 chunk512 ps16", 1, 4096, 512, 16),
+]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="write results as JSON here")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep splits x block_n x warps at 32 x 4096 ps16 (minutes)")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only busy's 512-query prefill chunks (page size 16; 1,024, 3,072 "
+                             "and 4,096 tokens cached), sweeping block_q x block_n x warps x "
+                             "stages at 3,072 (prefill_sweep_configs)")
     # 40 calls per dispatch: at --inner 5 (2026-11-30, H200) every small scenario (1 x 4096,
     # 16 x 512, Triton and Pallas alike) sat at a 55-65 us floor, so the per-dispatch host cost
     # was likely a large share of the small rows and up to ~20% of the 32 x 4096 rows.
@@ -177,7 +205,7 @@ def main(argv=None) -> int:
                         help="tiny shapes, no Triton: checks the script itself on a CPU")
     args = parser.parse_args(argv)
     if args.budget_s is None:
-        args.budget_s = 480.0 if args.sweep else 170.0
+        args.budget_s = 480.0 if (args.sweep or args.prefill_sweep) else 170.0
     if jax.default_backend() != "gpu":
         print("warning: not on a GPU; the Triton rows will fail", file=sys.stderr)
 
@@ -198,6 +226,8 @@ def main(argv=None) -> int:
         ("verify 16x512 ps16", 16, 512, 8, 16),
         ("prefill 1x4096 chunk512 ps64", 1, 4096, 512, 64),
     ]
+    if args.prefill_sweep:
+        scenarios = PREFILL_SWEEP_SCENARIOS
     if args.cpu_smoke:
         scenarios = [("smoke decode 2x256", 2, 256, 1, 16), ("smoke verify 2x256", 2, 256, 8, 16)]
     rows = []
@@ -206,20 +236,22 @@ def main(argv=None) -> int:
         configs = [{}]  # on a CPU (--cpu-smoke) this row fails cleanly: no jax-triton
         if args.sweep and lanes == 32 and ps == 16:
             configs = sweep_configs()
+        if args.prefill_sweep and ctx == 3072:
+            configs = prefill_sweep_configs()
         rows += run_scenario(name, lanes, ctx, q_len, ps, best, inner=args.inner,
                              repeats=args.repeats, triton_configs=configs,
                              with_pallas=(q_len == 1 and not args.cpu_smoke),
                              deadline=t_start + args.budget_s)
 
-    print("\n| scenario | impl | config | median us | KV TB/s | % copy BW | max err vs xla |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("\n| scenario | impl | config | median us | KV TB/s | % copy BW | TFLOP/s | max err vs xla |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['scenario']} | {r['impl']} | {r['config']} | failed | | | |")
+            print(f"| {r['scenario']} | {r['impl']} | {r['config']} | failed | | | | |")
             continue
         err = "" if r["max_abs_err_vs_xla"] is None else f"{r['max_abs_err_vs_xla']:.3g}"
         print(f"| {r['scenario']} | {r['impl']} | {r['config']} | {r['median_us']:.1f} | "
-              f"{r['kv_tb_s']:.2f} | {100 * r['frac_copy']:.1f} | {err} |")
+              f"{r['kv_tb_s']:.2f} | {100 * r['frac_copy']:.1f} | {r['tflops']:.1f} | {err} |")
 
     # The two targets of the brief, on the default plan.
     def default(name):

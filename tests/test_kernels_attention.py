@@ -535,3 +535,35 @@ def _interpret_worker(work: Path) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interpret-worker":
     _interpret_worker(Path(sys.argv[2]))
+
+
+def test_prefill_sweep_tiles_compile_for_sm90_without_spills():
+    """Every tile scripts/bench_attention.py --prefill-sweep times on the GPU compiles for sm_90
+    (a 512-query chunk, Qwen3-8B heads, page size 16) with no register spills and fits shared
+    memory, so device time is not spent on tiles that could not win."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    import importlib.util
+    from pathlib import Path
+
+    from jspec.kernels.ragged_paged_attention_triton import interpreter_enabled, make_plan
+    if interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET is set for this process")
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    configs = bench.prefill_sweep_configs()
+    assert configs[0] == {} and len(configs) > 10
+    for overrides in configs:
+        plan = make_plan(num_tokens=512, num_lanes=1, num_q_heads=32, num_kv_heads=8,
+                         head_dim=128, page_size=16, pages_per_lane=256, max_q_len=512,
+                         causal=True, ieee_dot=False, num_sms=132, **overrides)
+        key = (plan.block_q, plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits)
+        assert all(getattr(plan, k) == v for k, v in overrides.items()), (overrides, plan)
+        try:
+            result = _compile_sm90(plan, "bf16")
+        except ImportError as e:  # a triton build without the NVIDIA backend
+            pytest.skip(f"no NVIDIA backend in this triton: {e}")
+        assert result["shared"] <= 227 * 1024, key
+        assert not result["spills"], (key, result["ptxas"])
