@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The measurements docs/benchmarks.md lists as the next device calls (2026-12-04), by stage, each
+# under its own timeout so that a stage or two fit one device call (carry .whl and out/prompts):
+#   bash scripts/gpu_cost_probes.sh vocab        # ~6 min: bench_steps at 1/16/32 lanes, 2/3/7
+#                                                #   drafts, without and with --draft-vocab 16384
+#   bash scripts/gpu_cost_probes.sh prefill      # ~4 min: bench_prefill (chunks 512 and 1024 at
+#                                                #   0-3,072 cached tokens), the prefill tile sweep
+#   bash scripts/gpu_cost_probes.sh acceptance   # ~5 min: the shipped int8 pair on all 421 code
+#                                                #   prompts, then DSpark / DFlash with its interval
+# (the minutes are estimates from similar runs, not measurements). Everything lands in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/device_env.sh >/dev/null || exit 1
+export JSPEC_LINEAR_MMA=${JSPEC_LINEAR_MMA:-mixed}
+OUT=${OUT:-/tmp/out}
+COMMON=(--batch-invariant --draft-kv-dtype float8_e4m3fn)
+for stage in "$@"; do
+  t0=$(date +%s)
+  case "$stage" in
+    vocab)
+      STEPS=(--lanes 1,16,32 --spec-lanes 1,16,32 --contexts 512,3072 --steps 8 --num-draft 2,3,7
+             --split-lanes "" "${COMMON[@]}")
+      timeout 230 python3 scripts/bench_steps.py --out "$OUT/steps_full_vocab.json" "${STEPS[@]}" \
+        > "$OUT/steps_full_vocab.log" 2>&1
+      tail -n 12 "$OUT/steps_full_vocab.log"
+      timeout 170 python3 scripts/bench_steps.py --out "$OUT/steps_vocab16k.json" "${STEPS[@]}" \
+        --skip-stock --draft-vocab 16384 > "$OUT/steps_vocab16k.log" 2>&1
+      tail -n 12 "$OUT/steps_vocab16k.log"
+      ;;
+    prefill)
+      timeout 150 python3 scripts/bench_prefill.py --out "$OUT/prefill.json" "${COMMON[@]}" \
+        --chunks 512,1024 --starts 0,1024,2048,3072 > "$OUT/prefill.log" 2>&1
+      tail -n 12 "$OUT/prefill.log"
+      timeout 150 python3 scripts/bench_attention.py --out "$OUT/attention_prefill.json" \
+        --prefill-sweep --budget-s 120 > "$OUT/attention_prefill.log" 2>&1
+      grep -E "^\| prefill" "$OUT/attention_prefill.log" | sort -t'|' -k5 -n | head -n 12
+      ;;
+    acceptance)
+      timeout 420 python3 scripts/standin_acceptance.py --prompts-dir out/prompts --limit 0 \
+        --out "$OUT/shipped_eval_all.json" > "$OUT/shipped_eval_all.log" 2>&1
+      tail -n 6 "$OUT/shipped_eval_all.log"
+      python3 scripts/compare_drafters.py "$OUT/shipped_eval_all.json" "$OUT/shipped_eval_all.json" \
+        --a-name dspark --b-name dflash --out "$OUT/compare_all.json"
+      ;;
+    *) echo "usage: gpu_cost_probes.sh vocab|prefill|acceptance ..." >&2; exit 2 ;;
+  esac
+  echo "gpu_cost_probes: $stage took $(( $(date +%s) - t0 )) s"
+done
+exit 0
