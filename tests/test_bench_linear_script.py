@@ -2,25 +2,15 @@
 chained calls rotate through distinct copies of the weight, enough to pass the L2, and the first
 call's output is the product."""
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_linear", ROOT / "scripts" / "bench_linear.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import load_script
 
 
 def test_weight_copies_pass_the_l2_and_stay_the_same_weight():
-    bl = _module()
+    bl = load_script("bench_linear")
     mib = 2 ** 20
     # Qwen3-8B's o_proj (32 MiB bf16): 16 copies hold 512 MiB; lm_head (1.16 GiB) needs none;
     # never more than one per call of the chain; 0 MiB: the weight repeated (the old harness).
@@ -41,7 +31,7 @@ def test_weight_copies_pass_the_l2_and_stay_the_same_weight():
 
 
 def test_timeit_chains_over_the_copies_and_returns_the_first_product():
-    bl = _module()
+    bl = load_script("bench_linear")
     kx, kw = jax.random.split(jax.random.PRNGKey(0))
     x = jax.random.normal(kx, (4, 16), jnp.float32)
     w = jax.random.normal(kw, (8, 16), jnp.float32)

@@ -1,26 +1,15 @@
 """scripts/bench_prefill.py: the FLOP count of a prefill chunk and a CPU run of the harness."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_prefill", ROOT / "scripts" / "bench_prefill.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_prefill"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import load_script
 
 
 def test_prefill_flops_at_qwen3_8b():
     from jspec.config import PRESETS
-    bp = _script()
+    bp = load_script("bench_prefill")
     cfg = PRESETS["qwen3-8b"]
     f = bp.prefill_flops(cfg, 512, 3072)
     # q 4096x4096, k and v 4096x1024 each, o 4096x4096, gate/up/down 4096x12288: 192,937,984 a layer
@@ -29,7 +18,7 @@ def test_prefill_flops_at_qwen3_8b():
 
 
 def test_harness_on_cpu(tmp_path):
-    bp = _script()
+    bp = load_script("bench_prefill")
     out = tmp_path / "pf.json"
     rec = bp.main(["--out", str(out), "--preset", "tiny-untied", "--chunks", "32", "--starts",
                    "0,64", "--reps", "1", "--repeats", "1", "--attn-impl", "xla"])

@@ -1,23 +1,12 @@
 """scripts/compare_drafters.py: the paired bootstrap interval of one drafter's tokens per verify
 step over another's, on synthetic engine-eval records."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("compare_drafters", ROOT / "scripts" / "compare_drafters.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["compare_drafters"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import load_script
 
 
 def _replies(rng, n, tau, spread=0.6):
@@ -28,7 +17,7 @@ def _replies(rng, n, tau, spread=0.6):
 
 
 def test_exact_ratios_and_the_interval_around_them():
-    cd = _script()
+    cd = load_script("compare_drafters")
     t = np.array([100.0, 200.0, 50.0])
     s = np.array([40.0, 90.0, 25.0])
     same = cd.paired_tau_ratio(t, s, t, s)
@@ -44,7 +33,7 @@ def test_the_interval_resolves_a_real_gap_and_covers_a_null_one():
     """200 prompts, 60 repetitions: a 2.5-vs-2.2 drafter pair's interval excludes 1 nearly always;
     the negative control, two draws from one drafter, holds 1 about 95 % of the time (the level),
     and a 50 % interval of the same draws misses 1 far more often (so coverage is no accident)."""
-    cd = _script()
+    cd = load_script("compare_drafters")
     rng = np.random.default_rng(3)
     resolved = covered = covered_half = 0
     reps = 60
@@ -64,7 +53,7 @@ def test_the_interval_resolves_a_real_gap_and_covers_a_null_one():
 
 
 def test_compare_reads_engine_eval_records(tmp_path, capsys):
-    cd = _script()
+    cd = load_script("compare_drafters")
     rng = np.random.default_rng(0)
 
     def record(name, tau):
@@ -97,7 +86,7 @@ def test_compare_reads_engine_eval_records(tmp_path, capsys):
 def test_compare_picks_named_drafters_from_one_record(tmp_path, capsys):
     """standin_acceptance.py writes both drafters into one record: --a-name / --b-name pick them,
     and without names the record is refused, naming the drafters it holds."""
-    cd = _script()
+    cd = load_script("compare_drafters")
     rng = np.random.default_rng(1)
     rec = {"prompts": 40}
     for name, tau in (("dspark", 2.6), ("dflash", 2.2)):

@@ -543,17 +543,12 @@ def test_prefill_sweep_tiles_compile_for_sm90_without_spills():
     memory, so device time is not spent on tiles that could not win."""
     if not _triton_available():
         pytest.skip("triton not installed")
-    import importlib.util
-    from pathlib import Path
+    from script_loader import load_script
 
     from jspec.kernels.ragged_paged_attention_triton import interpreter_enabled, make_plan
     if interpreter_enabled():
         pytest.skip("TRITON_INTERPRET is set for this process")
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    configs = bench.prefill_sweep_configs()
+    configs = load_script("bench_attention").prefill_sweep_configs()
     assert configs[0] == {} and len(configs) > 10
     for overrides in configs:
         plan = make_plan(num_tokens=512, num_lanes=1, num_q_heads=32, num_kv_heads=8,

@@ -2,21 +2,10 @@
 the ideal parallel drafter's expected accepted run has a closed form (a small dynamic program),
 and the Monte Carlo estimate must land on it; a target that is not the one sampled must not."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("parallel_draft_ceiling",
-                                                  ROOT / "scripts" / "parallel_draft_ceiling.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import load_script
 
 
 V, K, START = 5, 4, 2
@@ -56,7 +45,7 @@ def sample_chain(P, start, M, rng):
 
 
 def test_estimate_matches_the_exact_ceiling_and_a_wrong_target_does_not():
-    mod = _script()
+    mod = load_script("parallel_draft_ceiling")
     rng = np.random.default_rng(0)
     M = 20000
     exact = exact_tau(P, START, K)
@@ -78,7 +67,7 @@ def test_estimate_matches_the_exact_ceiling_and_a_wrong_target_does_not():
 def test_no_prefix_dependence_means_every_draft_survives(P_id):
     """A law that does not depend on the drafted prefix (each row the same) or a deterministic
     chain: the marginals are the conditionals along every drafted path, so all K survive."""
-    mod = _script()
+    mod = load_script("parallel_draft_ceiling")
     rng = np.random.default_rng(1)
     Q = np.tile(P[0], (V, 1)) if P_id == "prefix_free" else np.eye(V)[np.roll(np.arange(V), 1)]
     laws = chain_laws(Q, START)

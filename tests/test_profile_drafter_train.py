@@ -1,26 +1,14 @@
 """scripts/profile_drafter_train.py: one CPU run at tiny sizes (random target), the JSON it writes,
 its graceful trace summary without a GPU, and its refusals of bad options."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from script_loader import load_script
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("profile_drafter_train",
-                                                  ROOT / "scripts" / "profile_drafter_train.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pdt = _load()
+pdt = load_script("profile_drafter_train")
 
 TINY = ["--random-target", "--vocab", "512", "--hidden", "32", "--layers", "4", "--heads", "2",
         "--kv-heads", "1", "--head-dim", "16", "--ffn", "64", "--markov-rank", "4",

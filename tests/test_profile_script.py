@@ -2,25 +2,17 @@
 JSON and the XPlane reader), and one real CPU run of the script on a tiny model."""
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from script_loader import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("profile_steps", ROOT / "scripts" / "profile_steps.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ps = _load()
+ps = load_script("profile_steps")
 
 # A compiled-GPU-style module: the weight reaches a cuBLAS gemm through bitcast / GTE / while /
 # tuple; a loop fusion in the sampler's scope; the Triton attention custom call (two kernels).

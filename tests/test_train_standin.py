@@ -4,9 +4,7 @@ S), split as on the GPU machine: a first run that stops after the replies, and a
 resumes without the corpus and trains the drafter. Then scripts/standin_transfer.py brings the
 weights back exactly as int8 x bf16 rows."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -14,15 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from script_loader import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +33,7 @@ def trained(tmp_path_factory):
               "--markov-rank", "4", "--draft-batch", "2", "--draft-steps", "3", "--skip-dflash",
               "--compute-dtype", "float32", "--export-dtype", "float32", "--ckpt-every", "3",
               "--no-remat", "--quiet", "--reply-t1", "--short-seq-len", "64", "--long-every", "2"]
-    ts = _script("train_standin")
+    ts = load_script("train_standin")
     ts.main(common + ["--only-target"])
     first = {p.name for p in out.iterdir()}
     with pytest.raises(SystemExit, match="replies are not all in"):  # the T = 1 set is not there yet
@@ -91,7 +83,7 @@ def test_calls_resume_from_s_and_its_prompts_then_replies_then_one_drafter(train
 
 def test_transfer_round_trip_is_int8_rows_times_bf16_scales(trained, tmp_path):
     out, _, _ = trained
-    tr = _script("standin_transfer")
+    tr = load_script("standin_transfer")
     tr.save({"target": out / "target", "dspark": out / "dspark"}, tmp_path / "x", max_mib=0.05)
     assert len(list((tmp_path / "x").glob("xfer-*.npz"))) > 2  # sharded under the size cap
     tr.load(tmp_path / "x", tmp_path / "back")
@@ -124,7 +116,7 @@ def test_a_drafter_continues_from_given_weights(trained, tmp_path):
         shutil.copytree(out / name, out2 / name)
     shutil.copy(out / "manifest.json", out2 / "manifest.json")
     argv = [a if a != str(out) else str(out2) for a in common]
-    ts = _script("train_standin")
+    ts = load_script("train_standin")
     with pytest.raises(SystemExit, match="not a drafter of this run's shapes"):
         ts.main(argv + ["--only-drafter", "dspark", "--init-drafter", f"dspark={out / 'dspark'}",
                         "--markov-rank", "8"])  # the given drafter's Markov head has rank 4
@@ -149,7 +141,7 @@ def test_a_given_s_is_kept_and_its_vocabulary_checked(trained, tmp_path):
     import shutil
     out, _, common = trained
     corpus = Path(common[common.index("--corpus") + 1])
-    ts = _script("train_standin")
+    ts = load_script("train_standin")
     kept = tmp_path / "kept"
     shutil.copytree(out / "target", kept / "target")
     weights = (kept / "target" / "model.safetensors").read_bytes()
@@ -175,7 +167,7 @@ def test_prompt_seed_draws_other_training_prompts_on_the_same_held_out_set(train
     out, _, common = trained
     run = tmp_path / "reseeded"
     shutil.copytree(out / "target", run / "target")
-    _script("train_standin").main([a if a != str(out) else str(run) for a in common]
+    load_script("train_standin").main([a if a != str(out) else str(run) for a in common]
                                   + ["--only-target", "--prompt-seed", "5"])
     read = lambda d, n: (d / "data" / f"{n}.jsonl").read_text()  # noqa: E731
     assert read(run, "prompts_eval") == read(out, "prompts_eval")
@@ -187,7 +179,7 @@ def test_the_ce_ablation_trains_dspark_on_cross_entropy_alone(trained):
     """--only-drafter dspark_ce: DSpark's architecture (Markov head, confidence head) on the CE-only
     objective, beside the others in the same run directory."""
     out, _, common = trained
-    _script("train_standin").main(common + ["--only-drafter", "dspark_ce"])
+    load_script("train_standin").main(common + ["--only-drafter", "dspark_ce"])
     cfg = json.loads((out / "dspark_ce" / "config.json").read_text())
     dspark = json.loads((out / "dspark" / "config.json").read_text())
     assert {k: v for k, v in cfg.items() if k != "_name_or_path"} == {
@@ -218,7 +210,7 @@ def test_joined_rows_and_the_long_prompt_eval_run_end_to_end(trained, tmp_path):
             shutil.copytree(out / name, run / name, ignore=shutil.ignore_patterns("dspark*"))
     shutil.copy(out / "manifest.json", run / "manifest.json")
     argv = [a if a != str(out) else str(run) for a in common]
-    ts = _script("train_standin")
+    ts = load_script("train_standin")
     with pytest.raises(SystemExit, match="--joined-rows needs --pack-replies"):
         ts.main(argv + ["--only-drafter", "dspark", "--joined-rows", "0.5", "--no-pack-replies"])
     ts.main(argv + ["--only-drafter", "dspark", "--joined-rows", "1.0", "--draft-steps", "2",
@@ -239,7 +231,7 @@ def test_joined_rows_and_the_long_prompt_eval_run_end_to_end(trained, tmp_path):
 def test_eval_args_take_the_parsers_defaults():
     """standin_acceptance builds the engine eval's options through eval_args: every option the
     script's parser has gets its default, given values win, unknown names are refused."""
-    ts = _script("train_standin")
+    ts = load_script("train_standin")
     args = ts.eval_args(eval_prompts_dir="p", eval_limit=3)
     full = ts.parse_args(["--corpus", "c", "--out", "o", "--eval-prompts-dir", "p", "--eval-limit", "3"])
     for key, value in vars(args).items():

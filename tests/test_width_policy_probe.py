@@ -1,28 +1,15 @@
 """scripts/width_policy_probe.py: replaying verify-width policies on recorded accept counts."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("width_policy_probe",
-                                                  ROOT / "scripts" / "width_policy_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["width_policy_probe"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import load_script
 
 
 ACCEPTS = [[7, 7, 0, 2], [1, 0, 5]]  # drafts accepted per round at width 7, two requests
 
 
 def test_fixed_widths_cut_each_round_at_the_width():
-    wp = _script()
+    wp = load_script("width_policy_probe")
     full = wp.replay(ACCEPTS, wp.fixed(7))
     assert full["tau"] == pytest.approx((8 + 8 + 1 + 3 + 2 + 1 + 6) / 7)
     assert full["rows_per_lane"] == 8
@@ -33,7 +20,7 @@ def test_fixed_widths_cut_each_round_at_the_width():
 
 
 def test_history_policies_see_only_earlier_rounds():
-    wp = _script()
+    wp = load_script("width_policy_probe")
     seen = []
 
     def spy(past):
@@ -50,7 +37,7 @@ def test_history_policies_see_only_earlier_rounds():
 
 
 def test_iteration_time_interpolates_and_extrapolates_below_only():
-    wp = _script()
+    wp = load_script("width_policy_probe")
     table = {4: 10.0, 5: 11.0, 8: 14.0}
     assert wp.iteration_ms(table, 4.5) == (pytest.approx(10.5), False)
     assert wp.iteration_ms(table, 3.0) == (pytest.approx(9.0), True)
