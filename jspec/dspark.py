@@ -217,6 +217,18 @@ def init_random_drafter(cfg: DSparkConfig, seed: int = 0) -> DSparkDrafter:
     return DSparkDrafter(cfg, rngs=nnx.Rngs(seed))
 
 
+def dspark_8b_like_config(target: Qwen3Config, num_layers: int = 5,
+                          taps: tuple[int, ...] = (1, 9, 17, 25, 33)) -> DSparkConfig:
+    """DSpark-8B's drafter shape for any target, as the cost scripts time it with random weights:
+    block 7, Markov rank 256 (16 below width 256), the mask id 151669 where the vocabulary holds
+    it (else its last id), and the taps that exist in the target (small presets on a CPU)."""
+    return DSparkConfig(
+        layers=target.replace(num_layers=num_layers), block_size=7,
+        mask_token_id=151669 if target.vocab_size > 151669 else target.vocab_size - 1,
+        target_layer_ids=tuple(t for t in taps if t < target.num_layers),
+        markov_rank=256 if target.hidden_size >= 256 else 16)
+
+
 def drafter_checkpoint_shapes(cfg: DSparkConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """DeepSpec checkpoint key -> (shape, jspec param path). embed_tokens / lm_head copies are
     not listed: they are checked against the target's instead of loaded."""

@@ -93,11 +93,8 @@ def main():
     target = init_random(cfg, seed=0)
     drafter = dcfg = None
     if args.spec:
-        from jspec.dspark import DSparkConfig, init_random_drafter
-        taps = tuple(t for t in (1, 9, 17, 25, 33) if t < cfg.num_layers)  # small presets: CPU
-        dcfg = DSparkConfig(layers=cfg.replace(num_layers=5), block_size=7,
-                            mask_token_id=151669 if cfg.vocab_size > 151669 else cfg.vocab_size - 1,
-                            target_layer_ids=taps, markov_rank=256 if cfg.hidden_size >= 256 else 16)
+        from jspec.dspark import dspark_8b_like_config, init_random_drafter
+        dcfg = dspark_8b_like_config(cfg)
         drafter = init_random_drafter(dcfg, seed=1)
     rng = np.random.default_rng(0)
 

@@ -62,7 +62,7 @@ def main():
     from flax import nnx
 
     from jspec.config import PRESETS
-    from jspec.dspark import DSparkConfig, init_random_drafter
+    from jspec.dspark import dspark_8b_like_config, init_random_drafter
     from jspec.engine import Engine, EngineConfig
     from jspec.qwen3 import init_random
     from jspec import sampling as sampling_module
@@ -118,10 +118,7 @@ def main():
 
     t0 = time.time()
     target = init_random(cfg, seed=0)
-    taps = tuple(int(t) for t in args.taps.split(","))
-    dcfg = DSparkConfig(layers=cfg.replace(num_layers=args.draft_layers), block_size=7,
-                        mask_token_id=151669 if cfg.vocab_size > 151669 else cfg.vocab_size - 1,
-                        target_layer_ids=taps, markov_rank=256 if cfg.hidden_size >= 256 else 16)
+    dcfg = dspark_8b_like_config(cfg, args.draft_layers, tuple(int(t) for t in args.taps.split(",")))
     drafter = init_random_drafter(dcfg, seed=1)
     jax.block_until_ready((nnx.state(target), nnx.state(drafter)))
     rec["init_s"] = time.time() - t0

@@ -1040,11 +1040,9 @@ def main(argv=None) -> dict:
     drafter = dcfg = None
     width = 1
     if args.spec:
-        from jspec.dspark import DSparkConfig, init_random_drafter
-        taps = tuple(t for t in (int(x) for x in args.taps.split(",")) if t < cfg.num_layers)
-        dcfg = DSparkConfig(layers=cfg.replace(num_layers=args.draft_layers), block_size=7,
-                            mask_token_id=151669 if cfg.vocab_size > 151669 else cfg.vocab_size - 1,
-                            target_layer_ids=taps, markov_rank=256 if cfg.hidden_size >= 256 else 16)
+        from jspec.dspark import dspark_8b_like_config, init_random_drafter
+        dcfg = dspark_8b_like_config(cfg, args.draft_layers,
+                                     tuple(int(x) for x in args.taps.split(",")))
         drafter = init_random_drafter(dcfg, seed=1)
         width = 8
     jax.block_until_ready(nnx.state(target))

@@ -24,12 +24,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def add_cost_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options that price a probe's result with a GPU cost sweep (bench_steps.py JSON)."""
+    ap.add_argument("--cost", help="bench_steps.py JSON with --num-draft rows (optional)")
+    ap.add_argument("--lanes", default="16,32", help="lane counts to estimate at (with --cost)")
+    ap.add_argument("--contexts", default="512,3072", help="the cost table's context per lane "
+                    "count, in the same order")
+
+
+def cost_by_rows(cost: dict, lanes: int, context: int) -> dict[int, float]:
+    """{verify rows: iteration ms} of the cost sweep's speculative rows at `lanes` and `context`."""
+    return {r["verify_rows"]: r["iteration_ms"] for r in cost.get("spec", [])
+            if r["lanes"] == lanes and r["context"] == context and "iteration_ms" in r}
+
+
 def estimate(record: dict, cost: dict, lanes: int, context: int) -> dict | None:
     """tau / iteration_ms at the bucket that holds lanes x (1 + drafts per step) rows, from the
-    cost sweep's rows at this lane count and the context nearest `context`."""
+    cost sweep's rows at this lane count and context."""
     from jspec.spec_steps import verify_buckets
-    rows_cost = {r["verify_rows"]: r["iteration_ms"] for r in cost["spec"]
-                 if r["lanes"] == lanes and r["context"] == context and "iteration_ms" in r}
+    rows_cost = cost_by_rows(cost, lanes, context)
     if not rows_cost:
         return None
     need = lanes * (1 + record["drafts_per_step"])
@@ -85,10 +98,7 @@ def main(argv=None) -> dict:
     add_t1_probe_arguments(ap)
     ap.add_argument("--thresholds", default="0,0.05,0.1,0.2,0.3")
     ap.add_argument("--lanes-engine", type=int, default=8, help="the engine's lanes (CPU: few)")
-    ap.add_argument("--cost", help="bench_steps.py JSON with --num-draft rows (optional)")
-    ap.add_argument("--lanes", default="16,32", help="lane counts to estimate at (with --cost)")
-    ap.add_argument("--contexts", default="512,3072", help="the cost table's context per lane "
-                    "count, in the same order")
+    add_cost_arguments(ap)
     args = ap.parse_args(argv)
 
     from jspec import LLM

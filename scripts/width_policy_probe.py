@@ -59,14 +59,14 @@ def replay(accepts: list[list[int]], policy) -> dict:
             "rounds": rounds, "widths": widths}
 
 
-def bucketed_rows_per_lane(widths: list[int], lanes: int, bucket_widths, draws: int = 4000,
+def bucketed_rows_per_lane(widths: list[int], lanes: int, sizes, draws: int = 4000,
                            seed: int = 0) -> float:
     """Mean verify rows per lane an engine pays when `lanes` independent lanes each pick a width
-    from `widths` (drafts) and the packed verify runs at the smallest static size holding their
-    rows: lanes x w for w in bucket_widths (rows per lane, ascending; the last holds any choice)."""
+    from `widths` (drafts) and the packed verify runs at the smallest of the static `sizes`
+    (rows, ascending; the last holds any choice) that holds their rows."""
     rng = np.random.default_rng(seed)
     totals = (rng.choice(np.asarray(widths), size=(draws, lanes)) + 1).sum(axis=1)
-    sizes = np.asarray(sorted(bucket_widths)) * lanes
+    sizes = np.asarray(sizes)
     if totals.max() > sizes[-1]:
         raise ValueError(f"{totals.max()} rows do not fit the largest bucket, {sizes[-1]}")
     return float(sizes[np.searchsorted(sizes, totals)].mean() / lanes)
@@ -111,11 +111,9 @@ def iteration_ms(cost_rows: dict, rows_per_lane: float) -> tuple[float, bool]:
 
 def cost_table(path: str, lanes: int, context: int) -> dict:
     """{rows per lane: iteration ms} from a bench_steps.py record's spec rows."""
-    rec = json.loads(Path(path).read_text())
-    rows = {}
-    for r in rec.get("spec", []):
-        if r.get("lanes") == lanes and r.get("context") == context and "num_draft" in r:
-            rows[r["num_draft"] + 1] = r["iteration_ms"]
+    from verify_gate_acceptance import cost_by_rows
+    rows = {total // lanes: ms for total, ms in
+            cost_by_rows(json.loads(Path(path).read_text()), lanes, context).items()}
     if len(rows) < 2:
         raise ValueError(f"{path}: fewer than two widths at {lanes} lanes, context {context}")
     return rows
@@ -124,12 +122,10 @@ def cost_table(path: str, lanes: int, context: int) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from verify_gate_acceptance import add_t1_probe_arguments, code_first_turns, generate_t1
+    from verify_gate_acceptance import (add_cost_arguments, add_t1_probe_arguments,
+                                        code_first_turns, generate_t1)
     add_t1_probe_arguments(ap)
-    ap.add_argument("--cost", help="bench_steps.py JSON swept over --num-draft (optional)")
-    ap.add_argument("--lanes", default="16,32", help="lane counts to price at (with --cost)")
-    ap.add_argument("--contexts", default="512,3072", help="the cost table's context per lane "
-                    "count, in the same order")
+    add_cost_arguments(ap)
     ap.add_argument("--replay", help="a record this script wrote: replay its accepts (no engine run)")
     args = ap.parse_args(argv)
 
@@ -152,10 +148,10 @@ def main(argv=None) -> dict:
         for lanes, ctx in zip(map(int, args.lanes.split(",")), map(int, args.contexts.split(","))):
             costs[f"{lanes} lanes, context {ctx}"] = cost_table(args.cost, lanes, ctx)
     # The static verify sizes a per-lane width is packed into: the engine's confidence-gate
-    # buckets (spec_steps.VERIFY_BUCKET_WIDTHS plus the whole block), and one per row per lane.
-    from jspec.spec_steps import VERIFY_BUCKET_WIDTHS
-    bucket_sets = {"engine buckets": tuple(VERIFY_BUCKET_WIDTHS) + (MAX_DRAFTS + 1,),
-                   "every row": tuple(range(1, MAX_DRAFTS + 2))}
+    # buckets (spec_steps.verify_buckets), and one per row per lane.
+    from jspec.spec_steps import verify_buckets
+    bucket_sets = {"engine buckets": lambda lanes: verify_buckets(lanes, MAX_DRAFTS + 1),
+                   "every row": lambda lanes: [lanes * w for w in range(1, MAX_DRAFTS + 2)]}
     for name, policy in POLICIES.items():
         row = replay(accepts, policy)
         widths = row.pop("widths")
@@ -164,8 +160,8 @@ def main(argv=None) -> dict:
             ms, extrapolated = iteration_ms(table, row["rows_per_lane"])
             row[f"tokens_per_ms, {where}"] = row["tau"] / ms
             row[f"extrapolated, {where}"] = extrapolated
-            for bname, bwidths in bucket_sets.items():
-                paid = bucketed_rows_per_lane(widths, lanes, bwidths)
+            for bname, sizes in bucket_sets.items():
+                paid = bucketed_rows_per_lane(widths, lanes, sizes(lanes))
                 ms, extrapolated = iteration_ms(table, paid)
                 row[f"tokens_per_ms, {where}, {bname}"] = row["tau"] / ms
                 row[f"extrapolated, {where}, {bname}"] = extrapolated
