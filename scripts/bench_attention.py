@@ -177,7 +177,7 @@ def prefill_sweep_configs():
     return configs
 
 
-PREFILL_SWEEP_SCENARIOS = [  # busy's chunks: 512 queries, page size 16, 1,024-4,096 tokens cached
+PREFILL_SWEEP_SCENARIOS = [  # busy's chunks: 512 queries, page size 16, 1,024-4,096 tokens of context
     ("prefill 1x1024 chunk512 ps16", 1, 1024, 512, 16),
     ("prefill 1x3072 chunk512 ps16", 1, 3072, 512, 16),
     ("prefill 1x4096 chunk512 ps16", 1, 4096, 512, 16),
@@ -191,8 +191,8 @@ def main(argv=None) -> int:
                         help="also sweep splits x block_n x warps at 32 x 4096 ps16 (minutes)")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="only busy's 512-query prefill chunks (page size 16; 1,024, 3,072 "
-                             "and 4,096 tokens cached), sweeping block_q x block_n x warps x "
-                             "stages at 3,072 (prefill_sweep_configs)")
+                             "and 4,096 tokens of context, the chunk included), sweeping "
+                             "block_q x block_n x warps x stages at each (prefill_sweep_configs)")
     # 40 calls per dispatch: at --inner 5 (2026-11-30, H200) every small scenario (1 x 4096,
     # 16 x 512, Triton and Pallas alike) sat at a 55-65 us floor, so the per-dispatch host cost
     # was likely a large share of the small rows and up to ~20% of the 32 x 4096 rows.
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         configs = [{}]  # on a CPU (--cpu-smoke) this row fails cleanly: no jax-triton
         if args.sweep and lanes == 32 and ps == 16:
             configs = sweep_configs()
-        if args.prefill_sweep and ctx == 3072:
+        if args.prefill_sweep:  # a tile is chosen for every context, so sweep each
             configs = prefill_sweep_configs()
         rows += run_scenario(name, lanes, ctx, q_len, ps, best, inner=args.inner,
                              repeats=args.repeats, triton_configs=configs,

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The measurements docs/benchmarks.md lists as the next device calls (2026-12-04), by stage, each
+# Cost probes on the GPU (first run 2026-12-04, docs/benchmarks.md), by stage, each
 # under its own timeout so that a stage or two fit one device call (carry .whl and out/prompts):
-#   bash scripts/gpu_cost_probes.sh vocab        # ~6 min: bench_steps at 1/16/32 lanes, 2/3/7
+#   bash scripts/gpu_cost_probes.sh vocab        # ~6.5 min: bench_steps at 1/16/32 lanes, 2/3/7
 #                                                #   drafts, without and with --draft-vocab 16384
-#   bash scripts/gpu_cost_probes.sh prefill      # ~4 min: bench_prefill (chunks 512 and 1024 at
+#   bash scripts/gpu_cost_probes.sh prefill      # ~3 min: bench_prefill (chunks 512 and 1024 at
 #                                                #   0-3,072 cached tokens), the prefill tile sweep
-#   bash scripts/gpu_cost_probes.sh acceptance   # ~5 min: the shipped int8 pair on all 421 code
+#                                                #   at 1,024, 3,072 and 4,096 tokens of context
+#   bash scripts/gpu_cost_probes.sh acceptance   # ~2 min: the shipped int8 pair on all 421 code
 #                                                #   prompts, then DSpark / DFlash with its interval
-# (the minutes are estimates from similar runs, not measurements). Everything lands in $OUT.
+# (2026-12-04 on one H200: vocab 349 s with its second half cut at 170 s, now 200; prefill 70 s
+# with the sweep at one context, now three; acceptance 125 s). Everything lands in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/device_env.sh >/dev/null || exit 1
@@ -23,7 +25,7 @@ for stage in "$@"; do
       timeout 230 python3 scripts/bench_steps.py --out "$OUT/steps_full_vocab.json" "${STEPS[@]}" \
         > "$OUT/steps_full_vocab.log" 2>&1
       tail -n 12 "$OUT/steps_full_vocab.log"
-      timeout 170 python3 scripts/bench_steps.py --out "$OUT/steps_vocab16k.json" "${STEPS[@]}" \
+      timeout 200 python3 scripts/bench_steps.py --out "$OUT/steps_vocab16k.json" "${STEPS[@]}" \
         --skip-stock --draft-vocab 16384 > "$OUT/steps_vocab16k.log" 2>&1
       tail -n 12 "$OUT/steps_vocab16k.log"
       ;;
@@ -31,9 +33,9 @@ for stage in "$@"; do
       timeout 150 python3 scripts/bench_prefill.py --out "$OUT/prefill.json" "${COMMON[@]}" \
         --chunks 512,1024 --starts 0,1024,2048,3072 > "$OUT/prefill.log" 2>&1
       tail -n 12 "$OUT/prefill.log"
-      timeout 150 python3 scripts/bench_attention.py --out "$OUT/attention_prefill.json" \
-        --prefill-sweep --budget-s 120 > "$OUT/attention_prefill.log" 2>&1
-      grep -E "^\| prefill" "$OUT/attention_prefill.log" | sort -t'|' -k5 -n | head -n 12
+      timeout 200 python3 scripts/bench_attention.py --out "$OUT/attention_prefill.json" \
+        --prefill-sweep --budget-s 170 > "$OUT/attention_prefill.log" 2>&1
+      grep -E "^\| prefill" "$OUT/attention_prefill.log" | sort -t'|' -k2,2 -k5n | head -n 60
       ;;
     acceptance)
       timeout 420 python3 scripts/standin_acceptance.py --prompts-dir out/prompts --limit 0 \
