@@ -29,6 +29,7 @@ from flax import nnx
 
 from jspec.config import Qwen3Config
 from jspec.draft_vocab import DraftVocab, choose_ids
+from jspec.draft_weights import DRAFT_WEIGHT_DTYPES, quantize_drafter_state
 from jspec.kernels.linear import check_impl
 from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
 from jspec.qwen3 import Qwen3, fuse_projections
@@ -130,6 +131,12 @@ class EngineConfig:
     # speculative engines of a comparison (jspec bench builds both from one base), and a stock
     # engine computes the same bits with or without it. LLM refuses it without a drafter.
     draft_kv_dtype: str | None = None
+    # The drafter's big weights (its layers' projections, fc, Markov W2): None = the model
+    # dtype; "int8" stores them as int8 with a scale per output channel and widens them inside
+    # the programs (jspec/draft_weights.py), halving the bytes an iteration reads for them. As
+    # with draft_kv_dtype, only the proposals change, never the output law; a stock engine
+    # ignores it.
+    draft_weight_dtype: str | None = None
     # The decode step loop stops once every lane has ended (steps.Programs), so a dispatch
     # wastes no steps after its replies end; it is compiled with WHILE / CONDITIONAL command
     # buffers so that XLA may run the loop as one CUDA graph (not yet confirmed on the H200:
@@ -164,6 +171,9 @@ class EngineConfig:
         if self.draft_kv_dtype not in DRAFT_KV_DTYPES:
             raise ValueError(f"draft_kv_dtype must be one of {DRAFT_KV_DTYPES} (None: the model "
                              f"dtype), got {self.draft_kv_dtype!r}")
+        if self.draft_weight_dtype not in DRAFT_WEIGHT_DTYPES:
+            raise ValueError(f"draft_weight_dtype must be one of {DRAFT_WEIGHT_DTYPES} (None: the "
+                             f"model dtype), got {self.draft_weight_dtype!r}")
         if self.invariant_prefill and not self.batch_invariant:
             raise ValueError("invariant_prefill needs batch_invariant (without it every route is "
                              "XLA's)")
@@ -247,6 +257,7 @@ class Engine:
             from jspec.spec_steps import SpecPrograms
             draft_cfg.check_fits(cfg)
             draft_graphdef, draft_params = nnx.split(drafter)
+            draft_params = quantize_drafter_state(draft_params, engine_cfg.draft_weight_dtype)
             self.params = (target_params, draft_params)
             if engine_cfg.draft_vocab is not None:
                 if draft_vocab_ids is None:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.draft_vocab import DraftVocab
+from jspec.draft_weights import dequantize
 from jspec.dspark import DSparkConfig, DSparkDrafter
 from jspec.kernels.kv_cache_write import write_kv
 from jspec.paged_cache import NULL_PAGE
@@ -109,7 +110,12 @@ class SpecPrograms(Programs):
         super().__init__(page_size, eos_ids, attn_impl, device_loop)
 
     def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
-        return nnx.merge(self.tg, params[0]), nnx.merge(self.dg, params[1])
+        return nnx.merge(self.tg, params[0]), self.drafter(params)
+
+    def drafter(self, params) -> DSparkDrafter:
+        """The drafter, its int8 weights (EngineConfig.draft_weight_dtype) widened here, inside
+        the program, next to the matmuls that read them."""
+        return nnx.merge(self.dg, dequantize(params[1]))
 
     @staticmethod
     def draft_vocab(params) -> DraftVocab | None:
@@ -126,7 +132,7 @@ class SpecPrograms(Programs):
     def _prefill(self, params, caches, tokens_c, start, q_len, page_row_p, sampling: SamplingArrays):
         """As the stock prefill, plus the drafter's context K/V for the chunk."""
         target = nnx.merge(self.prefill_tg, params[0])
-        drafter = nnx.merge(self.dg, params[1])
+        drafter = self.drafter(params)
         tcaches, dcaches = caches
         positions_c, slots_c, attend = prefill_layout(tokens_c, start, q_len, page_row_p,
                                                       self.page_size, self.attn_impl)

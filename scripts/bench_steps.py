@@ -3,7 +3,7 @@
 and verify-only times, device memory of the drafter and its cache, and the HBM bound.
 
   python3 scripts/bench_steps.py --out $OUT/steps.json [--lanes 1,16,32] [--contexts 512,4096]
-                                [--draft-kv-dtype float8_e4m3fn]
+                                [--draft-kv-dtype float8_e4m3fn] [--draft-weight-dtype int8]
 
 `speculation_extra_bytes_at` is the issue's memory target read off the record: drafter weights
 plus the drafter's KV cache for 32 lanes x 4096 tokens, in the pool's actual dtype.
@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig.batch_invariant")
     ap.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"],
                     help="EngineConfig.draft_kv_dtype (default: the model dtype)")
+    ap.add_argument("--draft-weight-dtype", choices=["int8"],
+                    help="EngineConfig.draft_weight_dtype (default: the model dtype)")
     ap.add_argument("--draft-vocab", type=int, help="EngineConfig.draft_vocab: the drafter "
                     "proposes from N ids (here the first N)")
     ap.add_argument("--skip-iteration", action="store_true", help="only the draft / verify split")
@@ -78,6 +80,7 @@ def main():
            "top_k": args.top_k, "top_p": args.top_p,
            "candidate_top_k": sampling_module.CANDIDATE_TOP_K,
            "draft_kv_dtype": args.draft_kv_dtype, "draft_vocab": args.draft_vocab,
+           "draft_weight_dtype": args.draft_weight_dtype,
            "stock": [], "spec": []}
 
     def save():
@@ -159,7 +162,8 @@ def main():
                             max_context=max(contexts) + (args.steps + 1) * width,
                             decode_steps=args.steps, attn_impl=args.attn_impl,
                             batch_invariant=args.batch_invariant,
-                            draft_kv_dtype=args.draft_kv_dtype, draft_vocab=args.draft_vocab)
+                            draft_kv_dtype=args.draft_kv_dtype, draft_vocab=args.draft_vocab,
+                            draft_weight_dtype=args.draft_weight_dtype)
 
     if not args.skip_stock:
         eng = Engine(cfg, target, (), ecfg_for(1))
@@ -206,13 +210,16 @@ def main():
         rec["draft_cache_dtype"] = str(eng.draft_cache_shape.dtype)
         rec["draft_cache_bytes_per_token"] = eng.draft_cache_shape.token_bytes
         rec["target_cache_bytes_per_token"] = eng.cache_shape.token_bytes
+        # The drafter's weights as the engine holds them (int8 with --draft-weight-dtype int8).
+        rec["engine_drafter_weight_bytes"] = sum(a.nbytes for a in jax.tree.leaves(eng.params[1]))
         extra_lanes, extra_ctx = 32, 4096  # the target: <= 4 GiB at 32 lanes x 4096 tokens
         extra_cache = extra_lanes * extra_ctx * rec["draft_cache_bytes_per_token"]
         rec["speculation_extra_bytes_at"] = {
             "lanes": extra_lanes, "context": extra_ctx,
-            "drafter_weight_bytes": rec["drafter_weight_bytes"], "draft_cache_bytes": extra_cache,
-            "bytes": rec["drafter_weight_bytes"] + extra_cache,
-            "GiB": (rec["drafter_weight_bytes"] + extra_cache) / 2**30}
+            "drafter_weight_bytes": rec["engine_drafter_weight_bytes"],
+            "draft_cache_bytes": extra_cache,
+            "bytes": rec["engine_drafter_weight_bytes"] + extra_cache,
+            "GiB": (rec["engine_drafter_weight_bytes"] + extra_cache) / 2**30}
         x = rec["speculation_extra_bytes_at"]
         print(f"speculation_extra_bytes_at {extra_lanes} lanes x {extra_ctx} tokens: {x['bytes']} "
               f"({x['GiB']:.2f} GiB = drafter weights {x['drafter_weight_bytes'] / 2**30:.2f} GiB + "

@@ -104,6 +104,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"], help="the drafter's KV pool "
                    "dtype (default: the model's); float8_e4m3fn halves it (acceptance may change, "
                    "the output distribution does not)")
+    p.add_argument("--draft-weight-dtype", choices=["int8"], help="the drafter's layers, fc and "
+                   "Markov W2 as int8 with a scale per output channel (jspec/draft_weights.py; "
+                   "acceptance may change, the output distribution does not)")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="the drafter proposes only the N "
                    "most frequent token ids, ranked in DRAFT/draft_vocab.json (jspec/draft_vocab.py;"
                    " acceptance may change, the output distribution does not)")
@@ -148,6 +151,8 @@ def command_line(args) -> str:
         words.append("--invariant-prefill")
     if args.draft_kv_dtype:
         words += ["--draft-kv-dtype", args.draft_kv_dtype]
+    if getattr(args, "draft_weight_dtype", None):
+        words += ["--draft-weight-dtype", args.draft_weight_dtype]
     if getattr(args, "draft_vocab", None):
         words += ["--draft-vocab", str(args.draft_vocab)]
     return " ".join(shlex.quote(w) for w in words)
@@ -322,6 +327,7 @@ class Bench:
                     # the invariant linear kernel's MMA family (kernels/linear_triton.py)
                     "linear_mma": mma_family_from_env() if args.batch_invariant else None,
                     "draft_kv_dtype": args.draft_kv_dtype,
+                    "draft_weight_dtype": getattr(args, "draft_weight_dtype", None),
                     "draft_vocab": getattr(args, "draft_vocab", None)}
         self.git = {"commit": commit, "dirty": dirty}
         self.env = None
@@ -473,7 +479,8 @@ class Bench:
                     num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl,
                     batch_invariant=a.batch_invariant,
                     invariant_prefill=getattr(a, "invariant_prefill", False),
-                    draft_kv_dtype=a.draft_kv_dtype,  # the stock engine ignores both
+                    draft_kv_dtype=a.draft_kv_dtype,  # the stock engine ignores these three
+                    draft_weight_dtype=getattr(a, "draft_weight_dtype", None),
                     draft_vocab=getattr(a, "draft_vocab", None))
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
                 EngineConfig(decode_steps=a.spec_decode_steps,
