@@ -2,8 +2,7 @@
 output channel (jspec/draft_weights.py).
 
 Like draft_kv_dtype it may change what the drafter proposes, never what the engine emits; and a
-drafter whose weights already lie on such a grid (the shipped stand-in's, and their graft) must
-propose exactly what it proposed before.
+drafter whose weights already lie on such a grid must propose exactly what it proposed before.
 """
 
 import dataclasses
@@ -115,8 +114,8 @@ SPECS = [(5, 20), (20, 7), (33, 12), (9, 30), (14, 25)]
 
 
 def _on_grid(drafter):
-    """Every quantized weight snapped to int8 x a power-of-two channel scale (as the shipped
-    stand-in's are): quantize then widen must give these very numbers back."""
+    """Every quantized weight snapped to int8 x a power-of-two channel scale with a 127 in each
+    channel: quantize then widen must give these very numbers back."""
     _, state = nnx.split(drafter)
 
     def snap(x):
