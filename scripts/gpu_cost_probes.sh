@@ -8,6 +8,9 @@
 #                                                #   at 1,024, 3,072 and 4,096 tokens of context
 #   bash scripts/gpu_cost_probes.sh acceptance   # ~2 min: the shipped int8 pair on all 421 code
 #                                                #   prompts, then DSpark / DFlash with its interval
+#   bash scripts/gpu_cost_probes.sh int8         # ~2.5 min: bench_steps at 1 and 32 lanes, 3 and 7
+#                                                #   drafts, drafter weights bf16 then int8
+#                                                #   (--draft-weight-dtype); prints which is faster
 # (2026-12-04 on one H200: vocab 349 s with its second half cut at 170 s, now 200; prefill 70 s
 # with the sweep at one context, now three; acceptance 125 s). Everything lands in $OUT.
 set -uo pipefail
@@ -44,7 +47,33 @@ for stage in "$@"; do
       python3 scripts/compare_drafters.py "$OUT/shipped_eval_all.json" "$OUT/shipped_eval_all.json" \
         --a-name dspark --b-name dflash --out "$OUT/compare_all.json"
       ;;
-    *) echo "usage: gpu_cost_probes.sh vocab|prefill|acceptance ..." >&2; exit 2 ;;
+    int8)
+      STEPS=(--lanes 1 --spec-lanes 1,32 --contexts 512 --steps 8 --num-draft 3,7 --split-lanes 1
+             --skip-stock "${COMMON[@]}")
+      for w in bf16 int8; do
+        extra=(); [ "$w" = int8 ] && extra=(--draft-weight-dtype int8)
+        timeout 170 python3 scripts/bench_steps.py --out "$OUT/steps_weights_$w.json" "${STEPS[@]}" \
+          "${extra[@]}" > "$OUT/steps_weights_$w.log" 2>&1
+        tail -n 4 "$OUT/steps_weights_$w.log"
+      done
+      # Which is faster, row by row, and whether int8 wins every row (INT8_WINS=1|0 on stdout and
+      # in $OUT/int8_wins): a later command may choose its bench options from it.
+      python3 - "$OUT/steps_weights_bf16.json" "$OUT/steps_weights_int8.json" <<'PY' | tee "$OUT/int8_wins"
+import json, sys
+a, b = (json.load(open(p))["spec"] for p in sys.argv[1:3])
+key = lambda r: (r["lanes"], r["context"], r["num_draft"])
+b = {key(r): r for r in b}
+wins = []
+for r in a:
+    s = b.get(key(r))
+    if s and "iteration_ms" in r and "iteration_ms" in s:
+        wins.append(s["iteration_ms"] < r["iteration_ms"])
+        print(f"# lanes {r['lanes']} ctx {r['context']} drafts {r['num_draft']}: bf16 "
+              f"{r['iteration_ms']:.3f} ms, int8 {s['iteration_ms']:.3f} ms")
+print(f"INT8_WINS={int(bool(wins) and all(wins))}")
+PY
+      ;;
+    *) echo "usage: gpu_cost_probes.sh vocab|prefill|acceptance|int8 ..." >&2; exit 2 ;;
   esac
   echo "gpu_cost_probes: $stage took $(( $(date +%s) - t0 )) s"
 done
