@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.config import ConfigError, Qwen3Config
+from jspec.draft_weights import Int8Weight
 from jspec.qwen3 import (AttentionFn, DecoderLayer, RMSNorm, _normal, apply_rope,
                          layer_checkpoint_shapes, project)
 
@@ -151,7 +152,10 @@ class DSparkDrafter(nnx.Module):
     def fuse(self, taps: Sequence[Array]) -> Array:
         """Target taps (each [..., D], in target_layer_ids order) -> fused context [..., D]."""
         features = jnp.concatenate(taps, axis=-1)
-        return self.hidden_norm(jnp.einsum("...f,df->...d", features, self.fc[...]))
+        fc = self.fc[...]
+        if isinstance(fc, Int8Weight):  # EngineConfig.draft_weight_dtype: scaled after the GEMM
+            return self.hidden_norm(project(features, fc).astype(features.dtype))
+        return self.hidden_norm(jnp.einsum("...f,df->...d", features, fc))
 
     def context_kv(self, context_btd: Array, positions_bt: Array) -> list[tuple[Array, Array]]:
         """Per draft layer, the K/V [B,T,Hkv,hd] of fused context rows at their positions."""
@@ -195,6 +199,8 @@ class DSparkDrafter(nnx.Module):
                                   + self.markov_gate_bias[...].astype(jnp.float32))
             e = (gate * e.astype(jnp.float32)).astype(e.dtype)
         w2 = self.markov_w2[...] if w2_rows is None else w2_rows
+        if isinstance(w2, Int8Weight):
+            return project(e, w2)
         return jnp.einsum("...r,vr->...v", e, w2, preferred_element_type=jnp.float32)
 
     def confidence_logits(self, hidden: Array, prev_tokens: Array) -> Array:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.config import Qwen3Config
+from jspec.draft_weights import Int8Weight, int8_linear
 from jspec.kernels.linear import linear
 from jspec.kernels.reductions import qk_norm_rope, rms_norm, rope_cos_sin, rope_rotate
 
@@ -61,7 +62,11 @@ def apply_rope(x_bthk: Array, positions_bt: Array, theta: float) -> Array:
 
 def project(x: Array, w: Array, impl: str = "xla") -> Array:
     """x [..., K] through a weight stored output-major ([N..., K], e.g. q_proj [Hq, hd, D]) ->
-    fp32 [..., N...]. Every projection of the model goes through here (kernels/linear.py)."""
+    fp32 [..., N...]. Every projection of the model goes through here (kernels/linear.py). An
+    int8 drafter weight (jspec/draft_weights.py) is scaled after the GEMM."""
+    if isinstance(w, Int8Weight):
+        y = int8_linear(x, w.reshape(-1, w.shape[-1]), lambda a, b: linear(a, b, impl))
+        return y.reshape(x.shape[:-1] + w.shape[:-1])
     y = linear(x, w.reshape(-1, w.shape[-1]), impl)
     return y.reshape(x.shape[:-1] + w.shape[:-1])
 

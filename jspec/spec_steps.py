@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.draft_vocab import DraftVocab
-from jspec.draft_weights import dequantize
 from jspec.dspark import DSparkConfig, DSparkDrafter
 from jspec.kernels.kv_cache_write import write_kv
 from jspec.paged_cache import NULL_PAGE
@@ -113,9 +112,9 @@ class SpecPrograms(Programs):
         return nnx.merge(self.tg, params[0]), self.drafter(params)
 
     def drafter(self, params) -> DSparkDrafter:
-        """The drafter, its int8 weights (EngineConfig.draft_weight_dtype) widened here, inside
-        the program, next to the matmuls that read them."""
-        return nnx.merge(self.dg, dequantize(params[1]))
+        """The drafter; int8 weights (EngineConfig.draft_weight_dtype) stay Int8Weight in its
+        modules, and each matmul scales its output (draft_weights.int8_linear)."""
+        return nnx.merge(self.dg, params[1])
 
     @staticmethod
     def draft_vocab(params) -> DraftVocab | None:

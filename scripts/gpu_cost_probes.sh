@@ -8,7 +8,7 @@
 #                                                #   at 1,024, 3,072 and 4,096 tokens of context
 #   bash scripts/gpu_cost_probes.sh acceptance   # ~2 min: the shipped int8 pair on all 421 code
 #                                                #   prompts, then DSpark / DFlash with its interval
-#   bash scripts/gpu_cost_probes.sh int8         # ~2.5 min: bench_steps at 1 and 32 lanes, 3 and 7
+#   bash scripts/gpu_cost_probes.sh int8         # ~5 min: bench_steps at 1, 16, 32 lanes, 3 and 7
 #                                                #   drafts, drafter weights bf16 then int8
 #                                                #   (--draft-weight-dtype); prints which is faster
 # (2026-12-04 on one H200: vocab 349 s with its second half cut at 170 s, now 200; prefill 70 s
@@ -48,11 +48,11 @@ for stage in "$@"; do
         --a-name dspark --b-name dflash --out "$OUT/compare_all.json"
       ;;
     int8)
-      STEPS=(--lanes 1 --spec-lanes 1,32 --contexts 512 --steps 8 --num-draft 3,7 --split-lanes 1
+      STEPS=(--lanes 1 --spec-lanes 1,16,32 --contexts 512,3072 --steps 8 --num-draft 3,7 --split-lanes 1
              --skip-stock "${COMMON[@]}")
       for w in bf16 int8; do
         extra=(); [ "$w" = int8 ] && extra=(--draft-weight-dtype int8)
-        timeout 170 python3 scripts/bench_steps.py --out "$OUT/steps_weights_$w.json" "${STEPS[@]}" \
+        timeout 200 python3 scripts/bench_steps.py --out "$OUT/steps_weights_$w.json" "${STEPS[@]}" \
           "${extra[@]}" > "$OUT/steps_weights_$w.log" 2>&1
         tail -n 4 "$OUT/steps_weights_$w.log"
       done

@@ -151,6 +151,35 @@ def test_int8_drafter_greedy_is_token_identical_to_stock(target):
     assert eng.allocator.num_free == eng.allocator.num_pages - 1
 
 
+def _draft_outputs(target, drafter, dtype=None):
+    """dense_draft's (logits + Markov bias, hidden, confidence) for a few blocks; `dtype` "int8"
+    runs the same drafter with its weights as Int8Weight inside its modules (the engine's way)."""
+    from jspec.dspark import dense_draft
+    g, state = nnx.split(drafter)
+    d = nnx.merge(g, quantize_drafter_state(state, dtype))
+    rng = np.random.default_rng(3)
+    ctx = rng.integers(0, CFG.vocab_size, (2, 9))
+    prev = rng.integers(0, CFG.vocab_size, (2, DCFG.block_size))
+    return dense_draft(target, d, ctx, ctx[:, -1], prev)
+
+
+def test_int8_drafter_computes_exactly_on_the_grid(target):
+    """fc, the layers' projections and Markov W2 all read Int8Weight (scaled after the GEMM):
+    on power-of-two grids that is bit-exact, so any missing or misplaced scale shows."""
+    drafter = _on_grid(_served(_scaled(init_random_drafter(DCFG, seed=4), 5)))
+    for a, b in zip(_draft_outputs(target, drafter), _draft_outputs(target, drafter, INT8)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_int8_drafter_off_the_grid_is_close_not_equal(target):
+    drafter = _served(_scaled(init_random_drafter(DCFG, seed=5), 5))
+    (la, ha, _), (lb, hb, _) = _draft_outputs(target, drafter), _draft_outputs(target, drafter, INT8)
+    assert float(jnp.abs(la - lb).max()) > 0
+    # Half an int8 step per weight: the drafter's logits move by a few % of their spread.
+    assert float(jnp.abs(la - lb).max()) < 0.1 * float(jnp.std(la))
+    np.testing.assert_allclose(np.asarray(ha), np.asarray(hb), atol=0.1)
+
+
 def test_on_grid_drafter_proposes_exactly_as_before(target):
     """Sampled at T = 1 with the same seeds, an int8 engine over on-grid weights and a float
     engine over the same weights make the same replies in the same verify steps: the widening
