@@ -249,3 +249,28 @@ def test_bench_records_it(tmp_path):
     args = build_parser().parse_args(base + ["--draft-weight-dtype", INT8])
     assert args.draft_weight_dtype == INT8 and "--draft-weight-dtype int8" in command_line(args)
     assert "--draft-weight-dtype" not in command_line(build_parser().parse_args(base))
+    args = build_parser().parse_args(base + ["--draft-weight-dtype", "solo=int8,team=int8"])
+    assert "--draft-weight-dtype solo=int8,team=int8" in command_line(args)
+
+
+def test_bench_takes_it_per_workload():
+    from jspec.bench.run import parse_per_workload_choice as parse
+    flag, choices = "--draft-weight-dtype", (INT8,)
+    assert parse(None, flag, choices) == {"solo": None, "team": None, "busy": None}
+    assert parse("int8", flag, choices) == {"solo": INT8, "team": INT8, "busy": INT8}
+    assert parse("solo=int8, team=int8", flag, choices) == {"solo": INT8, "team": INT8, "busy": None}
+    assert parse("solo=int8,busy=none", flag, choices)["busy"] is None
+    for bad, msg in [("int4", "must be one of int8, none"), ("idle=int8", "WORKLOAD one of"),
+                     ("solo=int4", "must be one of"), (",", "empty")]:
+        with pytest.raises(ValueError, match=msg):
+            parse(bad, flag, choices)
+
+
+def test_bench_refuses_a_bad_value_before_loading(tmp_path, capsys):
+    from jspec.cli import main
+    code = main(["bench", "--model", str(tmp_path / "nowhere"), "--draft", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "o"), "--draft-weight-dtype", "busy=int4"])
+    assert code == 2
+    assert "--draft-weight-dtype: 'busy=int4': the value must be one of int8, none" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -104,9 +104,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-kv-dtype", choices=["float8_e4m3fn"], help="the drafter's KV pool "
                    "dtype (default: the model's); float8_e4m3fn halves it (acceptance may change, "
                    "the output distribution does not)")
-    p.add_argument("--draft-weight-dtype", choices=["int8"], help="the drafter's layers, fc and "
-                   "Markov W2 as int8 with a scale per output channel (jspec/draft_weights.py; "
-                   "acceptance may change, the output distribution does not)")
+    p.add_argument("--draft-weight-dtype", metavar="int8 | solo=int8,team=int8,busy=none",
+                   help="the drafter's layers, fc and Markov W2 as int8 with a scale per output "
+                   "channel, for every workload or per workload (one not named, or 'none': the "
+                   "model dtype); jspec/draft_weights.py. int8 GEMMs win at few rows and lose at "
+                   "busy's 256 drafter rows on the H100 (docs/benchmarks.md); acceptance may "
+                   "change, the output distribution does not")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="the drafter proposes only the N "
                    "most frequent token ids, ranked in DRAFT/draft_vocab.json (jspec/draft_vocab.py;"
                    " acceptance may change, the output distribution does not)")
@@ -172,6 +175,9 @@ def cmd_bench(args) -> int:
     for flag in ("page_size", "prefill_chunk", "stock_decode_steps", "spec_decode_steps"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    # Refused before any model loads.
+    parse_per_workload_choice(getattr(args, "draft_weight_dtype", None), "--draft-weight-dtype",
+                              ("int8",))
     from jspec.standin import resolve_drafter, resolve_model
     args.given = (args.model, args.draft)
     args.model, args.draft = str(resolve_model(args.model)), str(resolve_drafter(args.draft))
@@ -211,6 +217,29 @@ def parse_per_workload(value, flag: str, kind, default, bounds, what: str = "V")
             span = f"{low}..{high}" if kind is int else f"[{low}, {high})"
             raise ValueError(f"{flag}: {item!r}: {what} must be in {span}")
         out[name] = v
+    return out
+
+
+def parse_per_workload_choice(value: str | None, flag: str, choices: tuple[str, ...]) -> dict:
+    """As parse_per_workload for a named choice: None = None everywhere; "C" = C everywhere;
+    "solo=C,team=C" = per workload (the rest: None); "none" names the default explicitly."""
+    out = {name: None for name in W.WORKLOAD_ORDER}
+    if value is None:
+        return out
+    items = [w.strip() for w in str(value).strip().split(",") if w.strip()]
+    if not items:
+        raise ValueError(f"{flag}: empty")
+    if len(items) == 1 and "=" not in items[0]:
+        items = [f"{name}={items[0]}" for name in W.WORKLOAD_ORDER]
+    for item in items:
+        name, sep, v = (x.strip() for x in item.partition("="))
+        if not sep or name not in out:
+            raise ValueError(f"{flag}: {item!r} is neither a value nor WORKLOAD=value with "
+                             f"WORKLOAD one of {', '.join(W.WORKLOAD_ORDER)}")
+        if v not in choices + ("none",):
+            raise ValueError(f"{flag}: {item!r}: the value must be one of "
+                             f"{', '.join(choices + ('none',))}")
+        out[name] = None if v == "none" else v
     return out
 
 
@@ -327,7 +356,8 @@ class Bench:
                     # the invariant linear kernel's MMA family (kernels/linear_triton.py)
                     "linear_mma": mma_family_from_env() if args.batch_invariant else None,
                     "draft_kv_dtype": args.draft_kv_dtype,
-                    "draft_weight_dtype": getattr(args, "draft_weight_dtype", None),
+                    "draft_weight_dtype": canonical_per_workload(
+                        getattr(args, "draft_weight_dtype", None)),
                     "draft_vocab": getattr(args, "draft_vocab", None)}
         self.git = {"commit": commit, "dirty": dirty}
         self.env = None
@@ -447,6 +477,8 @@ class Bench:
                                                progress=self.progress)
         self.load_s = time.time() - t
         self.num_draft = parse_num_draft(self.args.num_draft_tokens, self.dcfg.block_size)
+        self.draft_weight_dtype = parse_per_workload_choice(
+            getattr(self.args, "draft_weight_dtype", None), "--draft-weight-dtype", ("int8",))
         self.verify_threshold = parse_per_workload(getattr(self.args, "verify_threshold", None),
                                                    "--verify-threshold", float, 0.0, (0.0, 1.0))
         if any(self.verify_threshold.values()):  # refuse a DFlash drafter before any workload
@@ -479,12 +511,12 @@ class Bench:
                     num_pages=num_pages, prefill_chunk=a.prefill_chunk, attn_impl=a.attn_impl,
                     batch_invariant=a.batch_invariant,
                     invariant_prefill=getattr(a, "invariant_prefill", False),
-                    draft_kv_dtype=a.draft_kv_dtype,  # the stock engine ignores these three
-                    draft_weight_dtype=getattr(a, "draft_weight_dtype", None),
+                    draft_kv_dtype=a.draft_kv_dtype,  # the stock engine ignores both
                     draft_vocab=getattr(a, "draft_vocab", None))
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
                 EngineConfig(decode_steps=a.spec_decode_steps,
                              verify_threshold=self.verify_threshold[spec.name],
+                             draft_weight_dtype=self.draft_weight_dtype[spec.name],
                              verify_rule=verify_rule(a), **base))
 
     def warm(self, engine, spec, prompts, name) -> float:
@@ -617,7 +649,8 @@ class Bench:
                        "page_size": ecfg_stock.page_size, "num_pages": stock.allocator.num_pages,
                        "prefill_chunk": ecfg_stock.prefill_chunk, "attn_impl": ecfg_stock.attn_impl,
                        "decode_steps": {"stock": ecfg_stock.decode_steps, "spec": ecfg_spec.decode_steps},
-                       "num_draft_tokens": num_draft, "step_width": spec_eng.ecfg.step_width},
+                       "num_draft_tokens": num_draft, "step_width": spec_eng.ecfg.step_width,
+                       "draft_weight_dtype": spec_eng.ecfg.draft_weight_dtype},
             "prompt_tokens": {"mean": sum(map(len, prompts)) / len(prompts),
                               "min": min(map(len, prompts)), "max": max(map(len, prompts))},
             "passes": [{"engine": r.engine, "index": r.index, "wall_s": r.wall_s, "tokens": r.tokens,
