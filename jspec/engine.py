@@ -29,7 +29,7 @@ from flax import nnx
 
 from jspec.config import Qwen3Config
 from jspec.draft_vocab import DraftVocab, choose_ids
-from jspec.draft_weights import DRAFT_WEIGHT_DTYPES, quantize_drafter_state
+from jspec.draft_weights import DRAFT_WEIGHT_DTYPES, quantize_drafter_state, quantize_int8
 from jspec.kernels.linear import check_impl
 from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
 from jspec.qwen3 import Qwen3, fuse_projections
@@ -200,6 +200,18 @@ class EngineConfig:
         return self.num_pages or self.max_lanes * self.pages_per_lane + 1
 
 
+def draft_head_int8(params: tuple, target) -> tuple:
+    """(target, drafter[, vocab]) -> (target, drafter, vocab | None, head): with a draft
+    vocabulary its head and Markov rows become Int8Weight (head None); without one, head is an
+    int8 copy of the target's whole lm_head [V, D] (0.62 GB at Qwen3-8B size, beside the bf16
+    one that verify reads)."""
+    vocab = params[2] if len(params) > 2 else None
+    if vocab is not None:
+        w2 = None if vocab.markov_w2 is None else quantize_int8(vocab.markov_w2, (1,))
+        return params[:2] + (DraftVocab(vocab.ids, quantize_int8(vocab.head, (1,)), w2), None)
+    return params[:2] + (None, quantize_int8(target.head_weight(), (1,)))
+
+
 class Engine:
     def __init__(self, cfg: Qwen3Config, model: Qwen3, eos_ids: Sequence[int],
                  engine_cfg: EngineConfig = EngineConfig(), drafter=None, draft_cfg=None,
@@ -265,6 +277,10 @@ class Engine:
                 ids = choose_ids(draft_vocab_ids, engine_cfg.draft_vocab, cfg.vocab_size,
                                  keep=self.eos_ids)
                 self.params += (DraftVocab.build(ids, model, drafter),)
+            if engine_cfg.draft_weight_dtype is not None:
+                # The drafter's head too: an int8 copy of the rows it reads (the target keeps its
+                # own lm_head for verify), on the draft ids when there is a draft vocabulary.
+                self.params = draft_head_int8(self.params, model)
             # The drafter's pool mirrors the target's pages (same page table), with its layers.
             self.draft_cache_shape = dataclasses.replace(
                 self.cache_shape, num_layers=draft_cfg.layers.num_layers,

@@ -36,10 +36,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.draft_vocab import DraftVocab
+from jspec.draft_weights import Int8Weight
 from jspec.dspark import DSparkConfig, DSparkDrafter
 from jspec.kernels.kv_cache_write import write_kv
 from jspec.paged_cache import NULL_PAGE
-from jspec.qwen3 import Qwen3
+from jspec.qwen3 import Qwen3, project
 from jspec.rejection import check_rule, rejection_sample
 from jspec.sampling import SamplingArrays, draft_sample
 from jspec.steps import (DecodeState, Programs, paged_attention, prefill_layout,
@@ -121,6 +122,12 @@ class SpecPrograms(Programs):
         """The engine's draft vocabulary (params[2]), or None: the whole vocabulary."""
         return params[2] if len(params) > 2 else None
 
+    @staticmethod
+    def draft_head(params) -> Int8Weight | None:
+        """An int8 copy of the target's lm_head for the drafter's base logits (params[3], with
+        draft_weight_dtype "int8" and no draft vocabulary), or None: the target's own."""
+        return params[3] if len(params) > 3 else None
+
     def _write_context(self, drafter: DSparkDrafter, dcaches, taps, positions_1t, slots_t):
         """Drafter context K/V of target-tapped rows, into the draft pool at `slots_t`."""
         kv = drafter.context_kv(drafter.fuse(taps), positions_1t)
@@ -143,10 +150,11 @@ class SpecPrograms(Programs):
     # ---- one speculative iteration ------------------------------------------------------------
 
     def draft(self, target: Qwen3, drafter: DSparkDrafter, dcaches, state: DecodeState,
-              vocab: DraftVocab | None = None):
+              vocab: DraftVocab | None = None, head: Int8Weight | None = None):
         """Returns (dcaches, draft tokens [B,K], q log-probs [B,K,V] f32, confidence logits
         [B,K] f32: z_k from the block's hidden state and x_{k-1}). With a draft `vocab`, the
-        drafter's law lives on its ids (q is -inf elsewhere)."""
+        drafter's law lives on its ids (q is -inf elsewhere). `head`: the drafter's int8 copy of
+        the lm_head (SpecPrograms.draft_head); a vocabulary's head may be int8 itself."""
         K, B = self.dcfg.block_size, state.tokens.shape[0]
         lanes_t, offs_t = _lane_grid(B, K)
         s_b = state.lengths
@@ -162,10 +170,18 @@ class SpecPrograms(Programs):
         emb_1td = target.embed(block_bk.reshape(1, B * K))
         hidden_1td, dcaches = drafter.block_hidden(emb_1td, positions_t[None], attend, dcaches)
         hidden_bkd = hidden_1td[0].reshape(B, K, -1)
-        if vocab is None:
-            base_bkv = target.logits(hidden_bkd)  # U, fp32
-        else:  # U on the draft ids only: the drafter's numbers never touch the output's law
-            base_bkv = jnp.einsum("bkd,nd->bkn", hidden_bkd, vocab.head,
+        # Only the first self.k block positions are drafted: the head (the widest GEMM of the
+        # draft; a custom call on the invariant route, which XLA cannot slice through) reads
+        # B x k rows, not B x K (busy at 3 drafts: 96 rows instead of 224).
+        hidden_bkd_used = hidden_bkd[:, :self.k]
+        if vocab is not None:  # U on the draft ids only: the drafter's numbers never touch the law
+            head = vocab.head
+        if head is None:
+            base_bkv = target.logits(hidden_bkd_used)  # U, fp32
+        elif isinstance(head, Int8Weight):  # XLA's GEMM reads the int8 rows, scaled after
+            base_bkv = project(hidden_bkd_used, head)
+        else:
+            base_bkv = jnp.einsum("bkd,nd->bkn", hidden_bkd_used, head,
                                   preferred_element_type=jnp.float32)
         w2_rows = None if vocab is None else vocab.markov_w2
         prev = state.tokens
@@ -248,7 +264,8 @@ class SpecPrograms(Programs):
         tcaches, dcaches = caches
         K, B = self.k, state.tokens.shape[0]
         dcaches, draft_bk, q_bkv, confidence_bk = self.draft(target, drafter, dcaches, state,
-                                                             self.draft_vocab(params))
+                                                             self.draft_vocab(params),
+                                                             self.draft_head(params))
         if self.verify_threshold > 0:
             num_draft_b = jnp.where(state.active, proposed_drafts(
                 confidence_bk, self.verify_threshold, K), 0)

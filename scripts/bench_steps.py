@@ -210,8 +210,9 @@ def main():
         rec["draft_cache_dtype"] = str(eng.draft_cache_shape.dtype)
         rec["draft_cache_bytes_per_token"] = eng.draft_cache_shape.token_bytes
         rec["target_cache_bytes_per_token"] = eng.cache_shape.token_bytes
-        # The drafter's weights as the engine holds them (int8 with --draft-weight-dtype int8).
-        rec["engine_drafter_weight_bytes"] = sum(a.nbytes for a in jax.tree.leaves(eng.params[1]))
+        # The drafter's weights as the engine holds them (int8 with --draft-weight-dtype int8),
+        # plus what it adds beside the target: a draft vocabulary's rows, an int8 head copy.
+        rec["engine_drafter_weight_bytes"] = sum(a.nbytes for a in jax.tree.leaves(eng.params[1:]))
         extra_lanes, extra_ctx = 32, 4096  # the target: <= 4 GiB at 32 lanes x 4096 tokens
         extra_cache = extra_lanes * extra_ctx * rec["draft_cache_bytes_per_token"]
         rec["speculation_extra_bytes_at"] = {
@@ -228,7 +229,8 @@ def main():
         save()
         # Caches donated and returned, as inside the iteration: otherwise every call copies the pool.
         draft_only = jax.jit(lambda p, dc, st: eng.programs.draft(*eng.programs.models(p), dc, st,
-                                                                  eng.programs.draft_vocab(p)),
+                                                                  eng.programs.draft_vocab(p),
+                                                                  eng.programs.draft_head(p)),
                              donate_argnums=(1,))
         verify_only = jax.jit(lambda p, tc, st, d: eng.programs.verify(
             eng.programs.models(p)[0], tc, st, d)[:2], donate_argnums=(1,))

@@ -199,6 +199,69 @@ def test_on_grid_drafter_proposes_exactly_as_before(target):
         assert x.output_ids == y.output_ids and x.step_tokens == y.step_tokens
 
 
+def _target_head_on_grid(target):
+    """The target's lm_head snapped to int8 x a power-of-two row scale with a 127 in each row,
+    so that the drafter's int8 copy of it is exact (the target is then that model)."""
+    w = target.lm_head[...]
+    pow2 = 2.0 ** jnp.ceil(jnp.log2(jnp.max(jnp.abs(w), 1, keepdims=True) / 127))
+    v = jnp.clip(jnp.round(w / pow2), -127, 127).at[:, 0].set(127.0)
+    target.lm_head[...] = (v * pow2).astype(w.dtype)
+    return target
+
+
+def _drafts(eng, state):
+    target, drafter = eng.programs.models(eng.params)
+    _, tokens, q, conf = eng.programs.draft(target, drafter, eng.caches[1], state,
+                                            eng.programs.draft_vocab(eng.params),
+                                            eng.programs.draft_head(eng.params))
+    return np.asarray(tokens), np.asarray(q), np.asarray(conf)
+
+
+@pytest.mark.parametrize("vocab", [None, 40])
+def test_the_draft_step_reads_int8_and_is_exact_on_the_grid(vocab):
+    """One draft step of an int8 engine against a float engine over the same on-grid weights
+    (the drafter's and the target's lm_head): the same tokens and bit-equal q. The int8 engine
+    holds an int8 copy of the head (no vocabulary) or int8 vocabulary rows, and the target keeps
+    its float lm_head for verify."""
+    target = _target_head_on_grid(_scaled(init_random(CFG, seed=1), 5))
+    drafter = _on_grid(_served(_scaled(init_random_drafter(DCFG, seed=4), 5)))
+    ranked = np.random.default_rng(0).permutation(CFG.vocab_size).tolist()
+    ecfg = dataclasses.replace(ECFG, draft_vocab=vocab)
+    plain = Engine(CFG, target, (), ecfg, drafter=drafter, draft_cfg=DCFG, draft_vocab_ids=ranked)
+    int8 = Engine(CFG, target, (), dataclasses.replace(ecfg, draft_weight_dtype=INT8),
+                  drafter=drafter, draft_cfg=DCFG, draft_vocab_ids=ranked)
+    if vocab is None:
+        head = int8.programs.draft_head(int8.params)
+        assert isinstance(head, Int8Weight) and head.shape == (CFG.vocab_size, CFG.hidden_size)
+    else:
+        dv = int8.programs.draft_vocab(int8.params)
+        assert int8.programs.draft_head(int8.params) is None
+        assert isinstance(dv.head, Int8Weight) and isinstance(dv.markov_w2, Int8Weight)
+        assert dv.head.shape[0] >= vocab
+    assert not any(isinstance(x, Int8Weight) for x in jax.tree.leaves(
+        int8.params[0], is_leaf=lambda x: isinstance(x, Int8Weight)))  # verify's head stays
+    reqs = _requests([(6, 12), (9, 10)], temperature=1.0)
+    plain.generate(reqs)
+    state = plain._carry[1]
+    int8.caches = plain.caches  # the same drafter context in both
+    for a, b in zip(_drafts(plain, state), _drafts(int8, state)):
+        np.testing.assert_array_equal(a, b)
+    # The control: the same drafter over a target whose lm_head is off the grid. Only the int8
+    # head can differ now, so q moves (the int8 head is what the draft reads), a little.
+    off = _scaled(init_random(CFG, seed=1), 5)
+    plain = Engine(CFG, off, (), ecfg, drafter=drafter, draft_cfg=DCFG, draft_vocab_ids=ranked)
+    int8 = Engine(CFG, off, (), dataclasses.replace(ecfg, draft_weight_dtype=INT8),
+                  drafter=drafter, draft_cfg=DCFG, draft_vocab_ids=ranked)
+    plain.generate(_requests([(6, 12), (9, 10)], temperature=1.0))
+    state = plain._carry[1]
+    int8.caches = plain.caches
+    qa, qb = _drafts(plain, state)[1], _drafts(int8, state)[1]
+    finite = np.isfinite(qa)
+    assert np.array_equal(finite, np.isfinite(qb))
+    gap = np.abs(qa[finite] - qb[finite])
+    assert 0 < gap.max() < 0.5
+
+
 def test_off_grid_drafter_changes_proposals_not_the_output(target):
     """The negative control of the test above: off the grid, int8 perturbs the drafter (its
     widened weights differ from the float ones), yet greedy output stays the target's."""
