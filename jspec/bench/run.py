@@ -188,6 +188,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _workload_items(value, flag: str, what: str) -> list[tuple[str, str, str]]:
+    """A per-workload option's items as (item, workload, value text): "V" names every
+    workload, "solo=V,busy=V" the named ones. Refuses an empty option or an unknown workload."""
+    items = [w.strip() for w in str(value).strip().split(",") if w.strip()]
+    if not items:
+        raise ValueError(f"{flag}: empty")
+    if len(items) == 1 and "=" not in items[0]:
+        items = [f"{name}={items[0]}" for name in W.WORKLOAD_ORDER]
+    out = []
+    for item in items:
+        name, sep, v = (x.strip() for x in item.partition("="))
+        if not sep or name not in W.WORKLOAD_ORDER:
+            raise ValueError(f"{flag}: {item!r} is neither {what} nor WORKLOAD={what} with "
+                             f"WORKLOAD one of {', '.join(W.WORKLOAD_ORDER)}")
+        out.append((item, name, v))
+    return out
+
+
 def parse_per_workload(value, flag: str, kind, default, bounds, what: str = "V") -> dict:
     """A per-workload option -> {workload: value}: None = the default everywhere; "V" = V
     everywhere; "solo=V,busy=V" = per workload (the rest: the default). `bounds` (low, high)
@@ -195,18 +213,8 @@ def parse_per_workload(value, flag: str, kind, default, bounds, what: str = "V")
     out = {name: default for name in W.WORKLOAD_ORDER}
     if value is None:
         return out
-    items = [w.strip() for w in str(value).strip().split(",") if w.strip()]
-    if not items:
-        raise ValueError(f"{flag}: empty")
-    if len(items) == 1 and "=" not in items[0]:
-        items = [f"{name}={items[0]}" for name in W.WORKLOAD_ORDER]
     low, high = bounds
-    for item in items:
-        name, sep, v = item.partition("=")
-        name = name.strip()
-        if not sep or name not in out:
-            raise ValueError(f"{flag}: {item!r} is neither {what} nor WORKLOAD={what} with "
-                             f"WORKLOAD one of {', '.join(W.WORKLOAD_ORDER)}")
+    for item, name, v in _workload_items(value, flag, what):
         try:
             v = kind(v)
         except ValueError:
@@ -226,16 +234,7 @@ def parse_per_workload_choice(value: str | None, flag: str, choices: tuple[str, 
     out = {name: None for name in W.WORKLOAD_ORDER}
     if value is None:
         return out
-    items = [w.strip() for w in str(value).strip().split(",") if w.strip()]
-    if not items:
-        raise ValueError(f"{flag}: empty")
-    if len(items) == 1 and "=" not in items[0]:
-        items = [f"{name}={items[0]}" for name in W.WORKLOAD_ORDER]
-    for item in items:
-        name, sep, v = (x.strip() for x in item.partition("="))
-        if not sep or name not in out:
-            raise ValueError(f"{flag}: {item!r} is neither a value nor WORKLOAD=value with "
-                             f"WORKLOAD one of {', '.join(W.WORKLOAD_ORDER)}")
+    for item, name, v in _workload_items(value, flag, "VALUE"):
         if v not in choices + ("none",):
             raise ValueError(f"{flag}: {item!r}: the value must be one of "
                              f"{', '.join(choices + ('none',))}")
