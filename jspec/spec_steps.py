@@ -189,7 +189,9 @@ class SpecPrograms(Programs):
         round_start = s_b + 1 if self.verify_rule == "block" else None
         tokens, q_logprobs = [], []
         for k in range(self.k):  # the Markov chain: each step conditions on the sampled previous token
-            logits_bv = base_bkv[:, k] + drafter.markov_bias(prev, hidden_bkd[:, k], w2_rows)
+            logits_bv = base_bkv[:, k]
+            if not drafter.cfg.is_dflash:  # DFlash has no Markov head (and no bias to add)
+                logits_bv = logits_bv + drafter.markov_bias(prev, hidden_bkd[:, k], w2_rows)
             x_b, q_bv = draft_sample(logits_bv, state.sampling, s_b + k + 1, round_start)
             if vocab is not None:
                 x_b, q_bv = vocab.ids[x_b], vocab.scatter(q_bv, target.cfg.vocab_size)

@@ -1,6 +1,7 @@
 """The frequency-ranked draft vocabulary (jspec/draft_vocab.py): choosing and reading the ids,
 and the speculative engine drafting from them without changing the output law."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ from scipy import stats
 from jspec.config import ConfigError
 from jspec.draft_vocab import (RANKED_IDS_FILE, choose_ids, ranked_ids_from_rows,
                                read_ranked_ids, write_ranked_ids)
+from jspec.dspark import init_random_drafter
 from jspec.engine import Engine, EngineConfig, Request
 from stats_helpers import chi2_pvalue
 # The pair and fixtures of the speculative engine's tests (fixtures imported are registered here).
@@ -83,6 +85,24 @@ def test_greedy_with_a_draft_vocabulary_is_stock_greedy(target, random_drafter):
     ranked = np.random.default_rng(1).permutation(CFG.vocab_size).tolist()
     spec = _engine((target, random_drafter), 64, ranked).generate(_requests(SPECS))
     assert [r.output_ids for r in spec] == [r.output_ids for r in stock]
+
+
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_dflash_drafter_with_a_draft_vocabulary(target, weights):
+    """A DFlash drafter (no Markov head) drafts on the vocabulary's ids too (its zero bias was
+    once sized to the whole vocabulary and broke the draft), with float or int8 weights;
+    greedy output is stock's."""
+    dcfg = dataclasses.replace(DCFG, markov_rank=0, confidence_head=False)
+    assert dcfg.is_dflash
+    drafter = init_random_drafter(dcfg, seed=3)
+    ranked = np.random.default_rng(1).permutation(CFG.vocab_size).tolist()
+    stock = Engine(CFG, target, (), ECFG).generate(_requests(SPECS[:3]))
+    eng = Engine(CFG, target, (), EngineConfig(**{**ECFG.__dict__, "draft_vocab": 64,
+                                                  "draft_weight_dtype": weights}),
+                 drafter=drafter, draft_cfg=dcfg, draft_vocab_ids=ranked)
+    spec = eng.generate(_requests(SPECS[:3]))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in stock]
+    assert all(r.step_tokens for r in spec)
 
 
 def test_draft_vocabulary_keeps_the_sampled_law():
