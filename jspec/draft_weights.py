@@ -13,7 +13,8 @@ to the model dtype and the scale multiplies its fp32 output, so that XLA may fus
 into the GEMM's operand load and read one byte a weight. (`dequantize` widens a whole state, for
 tests and tools.)
 
-Quantized: each decoder layer's q/k/v/o and MLP projections, fc, and markov_w2 (the embedding-
+Quantized: each decoder layer's q/k/v/o and MLP projections, the stacked context K/V weight,
+fc, and markov_w2 (the embedding-
 like markov_w1 is gathered a row at a time, never read whole). Norms, the gated Markov head's
 small matrices and the confidence head stay in the model dtype.
 """
@@ -36,6 +37,7 @@ _REDUCED_AXES = {
     "qkv_proj": (2,),                                 # fused [Hq + 2 Hkv, hd, D]
     "o_proj": (1, 2),                                 # [D, Hq, hd]
     "gate_proj": (1,), "up_proj": (1,), "gate_up_proj": (1,), "down_proj": (1,),
+    "context_kv_proj": (2,),                          # [L x 2 Hkv, hd, D] (DSparkDrafter)
     "fc": (1,),                                       # [D, taps x D]
     "markov_w2": (1,),                                # [V, r]
 }

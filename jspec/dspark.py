@@ -157,14 +157,37 @@ class DSparkDrafter(nnx.Module):
             return self.hidden_norm(project(features, fc).astype(features.dtype))
         return self.hidden_norm(jnp.einsum("...f,df->...d", features, fc))
 
+    def fuse_context_kv(self) -> None:
+        """Serving layout (the engine's): every layer's k_proj and v_proj stacked once into
+        context_kv_proj [L x 2 x Hkv, hd, D], so that the context path is one GEMM. Left to
+        itself XLA merged those GEMMs by concatenating the weights inside every iteration (a
+        67 MB copy, 44 us on the H100, docs/benchmarks.md). The layers keep their own k_proj
+        and v_proj for the block. Idempotent; `unfuse_context_kv` (qwen3.unfuse_projections)
+        drops it."""
+        if not hasattr(self, "context_kv_proj"):
+            self.context_kv_proj = nnx.Param(jnp.concatenate(
+                [w[...] for layer in self.layers
+                 for w in (layer.self_attn.k_proj, layer.self_attn.v_proj)], axis=0))
+
+    def unfuse_context_kv(self) -> None:
+        if hasattr(self, "context_kv_proj"):
+            del self.context_kv_proj
+
     def context_kv(self, context_btd: Array, positions_bt: Array) -> list[tuple[Array, Array]]:
         """Per draft layer, the K/V [B,T,Hkv,hd] of fused context rows at their positions."""
+        if hasattr(self, "context_kv_proj"):  # one GEMM: [..., L x 2 x Hkv, hd] fp32
+            parts = jnp.split(project(context_btd, self.context_kv_proj[...]),
+                              2 * len(self.layers), axis=-2)
+            raw = [(parts[2 * i], parts[2 * i + 1]) for i in range(len(self.layers))]
+        else:
+            raw = [(project(context_btd, layer.self_attn.k_proj[...]),
+                    project(context_btd, layer.self_attn.v_proj[...])) for layer in self.layers]
         out = []
-        for layer in self.layers:
+        for layer, (k, v) in zip(self.layers, raw):
             attn = layer.self_attn
             # As Attention.qkv: k stays fp32 through its norm and rope, rounded once.
-            k = attn.k_norm(project(context_btd, attn.k_proj[...]), jnp.float32)
-            v = project(context_btd, attn.v_proj[...]).astype(context_btd.dtype)
+            k = attn.k_norm(k, jnp.float32)
+            v = v.astype(context_btd.dtype)
             out.append((apply_rope(k, positions_bt, attn.rope_theta).astype(v.dtype), v))
         return out
 

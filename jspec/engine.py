@@ -255,6 +255,7 @@ class Engine:
         fuse_projections(model, linear_impl=linear_impl)
         if drafter is not None:
             fuse_projections(drafter, qkv=False)
+            drafter.fuse_context_kv()
         graphdef, target_params = nnx.split(model)
         self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,
                                       cfg.num_kv_heads, cfg.head_dim, cfg.dtype)

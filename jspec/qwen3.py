@@ -190,6 +190,8 @@ def unfuse_projections(model) -> None:
     for layer in model.layers:
         layer.mlp.unfuse()
         layer.self_attn.unfuse()
+    if hasattr(model, "unfuse_context_kv"):  # a drafter's stacked context K/V weight
+        model.unfuse_context_kv()
     _set_linear_impl(model, "xla")
 
 

@@ -143,7 +143,8 @@ def test_int8_drafter_greedy_is_token_identical_to_stock(target):
     stock = Engine(CFG, target, (), ECFG).generate(_requests(SPECS))
     eng = Engine(CFG, target, (), dataclasses.replace(ECFG, draft_weight_dtype=INT8),
                  drafter=drafter, draft_cfg=DCFG)
-    assert quantized_count(eng.params[1]) == 6 * DCFG.layers.num_layers + 2
+    # The engine's drafter also holds the stacked context K/V weight (fuse_context_kv).
+    assert quantized_count(eng.params[1]) == 6 * DCFG.layers.num_layers + 3
     spec = eng.generate(_requests(SPECS))
     for a, b in zip(stock, spec):
         assert a.output_ids == b.output_ids

@@ -102,6 +102,31 @@ def test_drafter_math_matches_float64_reference(pair):
     assert np.abs(ref[1:] - ref[:-1]).max() > 1.0  # positions differ: the test sees the block
 
 
+def test_stacked_context_kv_is_the_per_layer_projection():
+    """fuse_context_kv (the engine's layout): one GEMM over every layer's stacked k/v weights
+    gives each layer's context K/V as its own k_proj / v_proj do; unfuse_projections drops it
+    (checkpoints never see it) and fusing twice changes nothing."""
+    from jspec.qwen3 import unfuse_projections
+    drafter = init_random_drafter(DCFG, seed=5)
+    rng = np.random.default_rng(2)
+    ctx = jnp.asarray(rng.normal(size=(2, 5, CFG.hidden_size)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    before = drafter.context_kv(ctx, pos)
+    drafter.fuse_context_kv()
+    drafter.fuse_context_kv()
+    Hkv, hd = DCFG.layers.num_kv_heads, DCFG.layers.head_dim
+    L = DCFG.layers.num_layers
+    assert drafter.context_kv_proj[...].shape == (L * 2 * Hkv, hd, CFG.hidden_size)
+    after = drafter.context_kv(ctx, pos)
+    for (k0, v0), (k1, v1) in zip(before, after):
+        np.testing.assert_allclose(np.asarray(k1), np.asarray(k0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v0), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(after[0][0]), np.asarray(after[1][0]))  # layers differ
+    unfuse_projections(drafter)
+    assert not hasattr(drafter, "context_kv_proj")
+    assert "context_kv_proj" not in str(jax.tree_util.tree_structure(nnx.state(drafter)))
+
+
 def test_paged_draft_equals_dense_draft(pair):
     """The engine's draft (paged, flash-style kernel interface, block keys written past the
     committed length) gives the q the dense path gives, for every lane of a mixed batch."""
