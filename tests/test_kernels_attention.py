@@ -275,6 +275,29 @@ def test_write_kv_round_trip():
     assert np.all(k_out[~written] == 0) and np.all(v_out[~written] == 0)
 
 
+@pytest.mark.parametrize("slot", [3 * 16 + 5, 0, -1, 6 * 16, 10**6])
+def test_write_kv_single_row(slot):
+    """A decode step's one row (an in-place dynamic_update_slice): written where its slot says;
+    a slot outside the pool writes only into the null page (page 0), never a live page."""
+    num_pages, s, hkv, d = 6, 16, 2, 8
+    rng = np.random.default_rng(1)
+    k_pages = jnp.asarray(rng.standard_normal((num_pages, s, hkv, d)), jnp.float32)
+    v_pages = k_pages + 1.0
+    new = jnp.asarray(rng.standard_normal((1, hkv, d)), jnp.float32)
+    k_out, v_out = jax.jit(write_kv)(k_pages, v_pages, new, new * 2, jnp.asarray([slot], jnp.int32))
+    k_out, v_out = np.asarray(k_out), np.asarray(v_out)
+    inside = 0 <= slot < num_pages * s
+    target = slot if inside else 0
+    np.testing.assert_array_equal(k_out[target // s, target % s], np.asarray(new[0]))
+    np.testing.assert_array_equal(v_out[target // s, target % s], np.asarray(new[0] * 2))
+    keep = np.ones((num_pages, s), bool)
+    keep[target // s, target % s] = False
+    np.testing.assert_array_equal(k_out[keep], np.asarray(k_pages)[keep])
+    np.testing.assert_array_equal(v_out[keep], np.asarray(v_pages)[keep])
+    if not inside:  # live pages (1..5) untouched
+        np.testing.assert_array_equal(k_out[1:], np.asarray(k_pages)[1:])
+
+
 def test_write_kv_then_attend():
     """Decode step: write this step's K/V through write_kv, then attention sees it."""
     case = Case("wk", (1, 1), (20, 5), max_q_len=1, pad_tokens=0)
