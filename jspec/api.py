@@ -77,7 +77,7 @@ class LLM:
         `draft_kv_dtype`: the drafter's KV pool dtype, None (the model's) or "float8_e4m3fn"
         (half the pool in bf16; changes acceptance only, never the output distribution).
         `draft_weight_dtype`: the drafter's big weights, None (the model's) or "int8" (a scale
-        per output channel, widened inside the programs: jspec/draft_weights.py; the same).
+        per output channel, the drafter's head rows too: jspec/draft_weights.py; the same).
         `draft_vocab`: the drafter proposes only the N most frequent token ids, ranked in the
         drafter directory's draft_vocab.json (jspec/draft_vocab.py; the same: acceptance only).
         `verify_threshold`: DSpark's prefix rule; each step verifies only the drafts whose

@@ -14,8 +14,7 @@ into the GEMM's operand load and read one byte a weight. (`dequantize` widens a 
 tests and tools.)
 
 Quantized: each decoder layer's q/k/v/o and MLP projections, the stacked context K/V weight,
-fc, and markov_w2 (the embedding-
-like markov_w1 is gathered a row at a time, never read whole). Norms, the gated Markov head's
+fc, and markov_w2 (the embedding-like markov_w1 is gathered a row at a time, never read whole). Norms, the gated Markov head's
 small matrices and the confidence head stay in the model dtype.
 """
 
@@ -87,7 +86,8 @@ class Int8Weight:
 def quantize_int8(w: Array, reduced_axes: tuple[int, ...]) -> Int8Weight:
     """Symmetric int8 with one scale per output channel: scale = max |w| / 127 over the reduced
     axes (1 where the channel is all zeros), values = round(w / scale). A weight already on such
-    a grid (int8 times a channel scale, as the shipped stand-in's are) comes back exactly."""
+    a grid with a +-127 in each channel comes back exactly (the shipped stand-in's scales are
+    not amax / 127, so its weights move by up to half a step)."""
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=reduced_axes, keepdims=True)
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)
@@ -140,7 +140,7 @@ def quantize_drafter_state(state, dtype: str | None):
 
 
 def dequantize(state):
-    """The state with every Int8Weight widened (inside a jitted program: see the module doc)."""
+    """The state with every Int8Weight widened (tests and tools; the engine never widens)."""
     return jax.tree.map(lambda x: widen(x) if isinstance(x, Int8Weight) else x, state,
                         is_leaf=lambda x: isinstance(x, Int8Weight))
 

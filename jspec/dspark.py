@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jspec.config import ConfigError, Qwen3Config
-from jspec.draft_weights import Int8Weight
 from jspec.qwen3 import (AttentionFn, DecoderLayer, RMSNorm, _normal, apply_rope,
                          layer_checkpoint_shapes, project)
 
@@ -152,10 +151,8 @@ class DSparkDrafter(nnx.Module):
     def fuse(self, taps: Sequence[Array]) -> Array:
         """Target taps (each [..., D], in target_layer_ids order) -> fused context [..., D]."""
         features = jnp.concatenate(taps, axis=-1)
-        fc = self.fc[...]
-        if isinstance(fc, Int8Weight):  # EngineConfig.draft_weight_dtype: scaled after the GEMM
-            return self.hidden_norm(project(features, fc).astype(features.dtype))
-        return self.hidden_norm(jnp.einsum("...f,df->...d", features, fc))
+        # project: fp32 out, rounded once; an int8 fc (draft_weight_dtype) is scaled after the GEMM
+        return self.hidden_norm(project(features, self.fc[...]).astype(features.dtype))
 
     def fuse_context_kv(self) -> None:
         """Serving layout (the engine's): every layer's k_proj and v_proj stacked once into
@@ -221,10 +218,7 @@ class DSparkDrafter(nnx.Module):
                                              preferred_element_type=jnp.float32)
                                   + self.markov_gate_bias[...].astype(jnp.float32))
             e = (gate * e.astype(jnp.float32)).astype(e.dtype)
-        w2 = self.markov_w2[...] if w2_rows is None else w2_rows
-        if isinstance(w2, Int8Weight):
-            return project(e, w2)
-        return jnp.einsum("...r,vr->...v", e, w2, preferred_element_type=jnp.float32)
+        return project(e, self.markov_w2[...] if w2_rows is None else w2_rows)  # fp32
 
     def confidence_logits(self, hidden: Array, prev_tokens: Array) -> Array:
         """z_k = w . [h_k ; W1[x_{k-1}]] + b (a logit; sigmoid gives the acceptance estimate)."""

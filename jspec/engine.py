@@ -132,10 +132,10 @@ class EngineConfig:
     # engine computes the same bits with or without it. LLM refuses it without a drafter.
     draft_kv_dtype: str | None = None
     # The drafter's big weights (its layers' projections, fc, Markov W2): None = the model
-    # dtype; "int8" stores them as int8 with a scale per output channel and widens them inside
-    # the programs (jspec/draft_weights.py), halving the bytes an iteration reads for them. As
-    # with draft_kv_dtype, only the proposals change, never the output law; a stock engine
-    # ignores it.
+    # dtype; "int8" stores them as int8 with a scale per output channel, each matmul scaling its
+    # output (jspec/draft_weights.py), plus an int8 copy of the head rows the drafter reads:
+    # about half the bytes an iteration reads for them. As with draft_kv_dtype, only the
+    # proposals change, never the output law; a stock engine ignores it.
     draft_weight_dtype: str | None = None
     # The decode step loop stops once every lane has ended (steps.Programs), so a dispatch
     # wastes no steps after its replies end; it is compiled with WHILE / CONDITIONAL command

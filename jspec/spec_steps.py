@@ -110,12 +110,7 @@ class SpecPrograms(Programs):
         super().__init__(page_size, eos_ids, attn_impl, device_loop)
 
     def models(self, params) -> tuple[Qwen3, DSparkDrafter]:
-        return nnx.merge(self.tg, params[0]), self.drafter(params)
-
-    def drafter(self, params) -> DSparkDrafter:
-        """The drafter; int8 weights (EngineConfig.draft_weight_dtype) stay Int8Weight in its
-        modules, and each matmul scales its output (draft_weights.int8_linear)."""
-        return nnx.merge(self.dg, params[1])
+        return nnx.merge(self.tg, params[0]), nnx.merge(self.dg, params[1])
 
     @staticmethod
     def draft_vocab(params) -> DraftVocab | None:
@@ -138,7 +133,7 @@ class SpecPrograms(Programs):
     def _prefill(self, params, caches, tokens_c, start, q_len, page_row_p, sampling: SamplingArrays):
         """As the stock prefill, plus the drafter's context K/V for the chunk."""
         target = nnx.merge(self.prefill_tg, params[0])
-        drafter = self.drafter(params)
+        drafter = nnx.merge(self.dg, params[1])
         tcaches, dcaches = caches
         positions_c, slots_c, attend = prefill_layout(tokens_c, start, q_len, page_row_p,
                                                       self.page_size, self.attn_impl)
@@ -176,13 +171,9 @@ class SpecPrograms(Programs):
         hidden_bkd_used = hidden_bkd[:, :self.k]
         if vocab is not None:  # U on the draft ids only: the drafter's numbers never touch the law
             head = vocab.head
-        if head is None:
-            base_bkv = target.logits(hidden_bkd_used)  # U, fp32
-        elif isinstance(head, Int8Weight):  # XLA's GEMM reads the int8 rows, scaled after
-            base_bkv = project(hidden_bkd_used, head)
-        else:
-            base_bkv = jnp.einsum("bkd,nd->bkn", hidden_bkd_used, head,
-                                  preferred_element_type=jnp.float32)
+        # U, fp32: the target's own head, or the drafter's rows (bf16 or int8) on XLA's GEMM.
+        base_bkv = (target.logits(hidden_bkd_used) if head is None
+                    else project(hidden_bkd_used, head))
         w2_rows = None if vocab is None else vocab.markov_w2
         prev = state.tokens
         # Block verification's outcome reads every draft, so its drafts' keys are fresh per round.
