@@ -24,8 +24,9 @@ from flax import nnx
 
 from jspec.config import Qwen3Config
 from jspec.draft_weights import Int8Weight, int8_linear
-from jspec.kernels.linear import linear
-from jspec.kernels.reductions import qk_norm_rope, rms_norm, rope_cos_sin, rope_rotate
+from jspec.kernels.linear import linear, linear_partials, sum_in_order
+from jspec.kernels.reductions import (add_rms_norm, qk_norm_rope, rms_norm, rope_cos_sin,
+                                      rope_rotate)
 
 Array = jax.Array
 # attention(layer_idx, q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], layer_cache) -> (out [B,T,Hq,hd], layer_cache)
@@ -51,6 +52,16 @@ class RMSNorm(nnx.Module):
         """out_dtype float32: skip the rounding (for values that stay fp32 until a matmul)."""
         return rms_norm(x, self.weight[...], self.eps, out_dtype, self.impl)
 
+    def add_norm(self, x: Array, partials: Array | None) -> tuple[Array, Array]:
+        """The residual add and this norm: (x + sum_in_order(partials) in fp32, its norm). The
+        partials are the projection writing into the stream, uncombined (project_partials): on
+        the "triton" route one kernel adds and normalises (kernels/reductions.add_rms_norm).
+        None: nothing to add (the first layer's input)."""
+        if partials is None:
+            x = x.astype(jnp.float32)
+            return x, self(x)
+        return add_rms_norm(x, partials, self.weight[...], self.eps, self.impl)
+
 
 def apply_rope(x_bthk: Array, positions_bt: Array, theta: float) -> Array:
     """Rotate-half RoPE (Hugging Face convention), computed in fp32."""
@@ -69,6 +80,16 @@ def project(x: Array, w: Array, impl: str = "xla") -> Array:
         return y.reshape(x.shape[:-1] + w.shape[:-1])
     y = linear(x, w.reshape(-1, w.shape[-1]), impl)
     return y.reshape(x.shape[:-1] + w.shape[:-1])
+
+
+def project_partials(x: Array, w: Array, impl: str = "xla") -> Array:
+    """project's output as fp32 [P, ..., N...] split partials (kernels/linear.linear_partials):
+    project(x, w, impl) == sum_in_order of them. The kernel that reads the result next sums them
+    itself (RMSNorm.add_norm, reductions.qk_norm_rope). An int8 weight gives one partial."""
+    if isinstance(w, Int8Weight):
+        return project(x, w, impl)[None]
+    p = linear_partials(x, w.reshape(-1, w.shape[-1]), impl)
+    return p.reshape(p.shape[:1] + x.shape[:-1] + w.shape[:-1])
 
 
 class Attention(nnx.Module):
@@ -111,7 +132,7 @@ class Attention(nnx.Module):
         f32, dt, impl = jnp.float32, x_btd.dtype, self.linear_impl
         Hq, Hkv = self.num_heads, self.num_kv_heads
         if self.fused and impl == "triton":
-            qkv = project(x_btd, self.qkv_proj[...], impl)  # fp32 [B, T, Hq + 2 Hkv, hd]
+            qkv = project_partials(x_btd, self.qkv_proj[...], impl)  # fp32 [P, B, T, H, hd]
             cos, sin = rope_cos_sin(positions_bt, qkv.shape[-1], self.rope_theta)
             out = qk_norm_rope(qkv, self.q_norm.weight[...], self.k_norm.weight[...], cos, sin,
                                self.q_norm.eps, Hq, Hkv, dt, impl)
@@ -128,9 +149,13 @@ class Attention(nnx.Module):
 
     def out(self, attn_bthk: Array) -> Array:
         """fp32: it is added to the fp32 residual stream without a rounding of its own."""
+        return sum_in_order(self.out_partials(attn_bthk))
+
+    def out_partials(self, attn_bthk: Array) -> Array:
+        """`out` as fp32 [P, B, T, D] split partials, for the add + norm that reads them."""
         w = self.o_proj[...]  # [D, Hq, hd]
-        return project(attn_bthk.reshape(attn_bthk.shape[:2] + (-1,)), w.reshape(w.shape[0], -1),
-                       self.linear_impl)
+        return project_partials(attn_bthk.reshape(attn_bthk.shape[:2] + (-1,)),
+                                w.reshape(w.shape[0], -1), self.linear_impl)
 
 
 class MLP(nnx.Module):
@@ -160,13 +185,17 @@ class MLP(nnx.Module):
             del self.gate_up_proj
 
     def __call__(self, x_btd: Array) -> Array:
+        return sum_in_order(self.partials(x_btd))  # fp32, into the fp32 residual
+
+    def partials(self, x_btd: Array) -> Array:
+        """The MLP's output as down_proj's fp32 [P, B, T, D] split partials (project_partials)."""
         impl = self.linear_impl
         if self.fused:
             gate_btf, up_btf = jnp.split(project(x_btd, self.gate_up_proj[...], impl), 2, axis=-1)
         else:
             gate_btf, up_btf = (project(x_btd, w[...], impl) for w in (self.gate_proj, self.up_proj))
         act = (jax.nn.silu(gate_btf) * up_btf).astype(x_btd.dtype)
-        return project(act, self.down_proj[...], impl)  # fp32, into the fp32 residual
+        return project_partials(act, self.down_proj[...], impl)
 
 
 def fuse_projections(model, *, qkv: bool = True, linear_impl: str = "xla") -> None:
@@ -222,12 +251,24 @@ class DecoderLayer(nnx.Module):
         after every add (as transformers does) makes a q_len-8 verify and a q_len-1 decode drift
         apart by ~1e-2 nats through a deep model (their GEMMs round differently); in fp32 only
         the matmul inputs are rounded, and the two paths agree."""
-        x_btd = x_btd.astype(jnp.float32)
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x_btd), positions_bt)
+        _, x_btd, mlp_partials, cache = self.step(layer_idx, x_btd, None, positions_bt,
+                                                  attention, cache)
+        return x_btd + sum_in_order(mlp_partials), cache
+
+    def step(self, layer_idx: int, x_btd: Array, pending: Array | None, positions_bt: Array,
+             attention: AttentionFn, cache: Any) -> tuple[Array, Array, Array, Any]:
+        """The layer with its residual adds folded into the norms that follow them (the model's
+        loop, Qwen3.__call__): the stream arrives as x_btd + sum_in_order(pending), the previous
+        layer's MLP partials still unadded (None: nothing pending), and leaves the same way.
+        Returns (the stream as it arrived, fp32; the stream after attention; this MLP's
+        partials; cache). The same adds in the same order as __call__, so the same bits; on
+        the "triton" route each add runs inside the next norm's kernel (RMSNorm.add_norm)."""
+        x_in, h = self.input_layernorm.add_norm(x_btd, pending)
+        q, k, v = self.self_attn.qkv(h, positions_bt)
         attn_bthk, cache = attention(layer_idx, q, k, v, cache)
-        x_btd = x_btd + self.self_attn.out(attn_bthk.astype(q.dtype))
-        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
-        return x_btd, cache
+        x_mid, h = self.post_attention_layernorm.add_norm(
+            x_in, self.self_attn.out_partials(attn_bthk.astype(q.dtype)))
+        return x_in, x_mid, self.mlp.partials(h), cache
 
 
 class Qwen3(nnx.Module):
@@ -263,16 +304,20 @@ class Qwen3(nnx.Module):
         for i in tap_layers:
             if not 0 <= i < self.cfg.num_layers:
                 raise ValueError(f"tap layer {i} is outside the target's {self.cfg.num_layers} layers")
-        x_btd = self.embed(tokens_bt)
+        x_btd, pending = self.embed(tokens_bt), None
         outputs: dict[int, Array] = {}
         new_caches = []
         for i, layer in enumerate(self.layers):
-            x_btd, cache = layer(i, x_btd, positions_bt, attention, caches[i] if caches else None)
+            # Layer i - 1's output is completed (its MLP added) inside layer i's first norm.
+            x_in, x_btd, pending, cache = layer.step(i, x_btd, pending, positions_bt, attention,
+                                                     caches[i] if caches else None)
             new_caches.append(cache)
-            outputs[i] = x_btd
+            if i:
+                outputs[i - 1] = x_in
+        outputs[len(self.layers) - 1], hidden = self.norm.add_norm(x_btd, pending)
         dtype = self.embed_tokens[...].dtype
         taps = [outputs[i].astype(dtype) for i in tap_layers]  # as transformers' hidden_states
-        return self.norm(x_btd), taps, new_caches
+        return hidden, taps, new_caches
 
 
 # ---- Dense causal attention (no cache): the simple path and the test oracle's twin ---------

@@ -1,6 +1,7 @@
 """The model's linear layers behind one interface: y = x @ w^T with fp32 accumulation.
 
-    linear(x[..., K], w[N, K], impl) -> fp32 [..., N]
+    linear(x[..., K], w[N, K], impl)          -> fp32 [..., N]
+    linear_partials(x[..., K], w[N, K], impl) -> fp32 [P, ..., N], y = sum_in_order(partials)
 
   "xla"     jnp.einsum with fp32 accumulation (the default; the CPU path and the test oracle).
             XLA picks its GEMM by shape, so a row's bits depend on how many rows share the GEMM.
@@ -41,6 +42,32 @@ def linear(x, w, impl: str = "xla"):
         with jax.named_scope("linear_bi"):  # profiles tell this custom call from attention's
             y = linear_triton(x.reshape(-1, x.shape[-1]), w)
         return y.reshape(lead + (w.shape[0],))
+    raise ValueError(f"linear impl must be one of {LINEAR_IMPLS}, got {impl!r}")
+
+
+def sum_in_order(partials):
+    """[P, ...] -> (...((p[0] + p[1]) + p[2]) ... + p[P-1]): fp32 adds in split order, which XLA
+    does not reassociate (a sum over axis 0 would take whatever order XLA picks by shape);
+    linear_triton.combine's order."""
+    y = partials[0]
+    for s in range(1, partials.shape[0]):
+        y = y + partials[s]
+    return y
+
+
+def linear_partials(x, w, impl: str = "xla"):
+    """x [..., K], w [N, K] -> fp32 [P, ..., N] with linear(x, w, impl) = sum_in_order of them:
+    the "triton" kernel's split-K partials left uncombined, so that the kernel reading y next
+    adds them itself (kernels/reductions.py add_rms_norm, qk_norm_rope) and XLA launches no
+    combine of its own; "xla": P = 1."""
+    if impl == "xla":
+        return linear_xla(x, w)[None]
+    if impl == "triton":
+        from jspec.kernels.linear_triton import linear_triton_partials
+        lead = x.shape[:-1]
+        with jax.named_scope("linear_bi"):
+            p = linear_triton_partials(x.reshape(-1, x.shape[-1]), w)
+        return p.reshape((p.shape[0],) + lead + (w.shape[0],))
     raise ValueError(f"linear impl must be one of {LINEAR_IMPLS}, got {impl!r}")
 
 

@@ -253,9 +253,9 @@ class Plan:
 def combine(partials, split_k: int):
     """y = (...((p[0] + p[1]) + p[2]) ... + p[S-1]): elementwise fp32 adds in split order (jax or
     torch arrays; neither reassociates them). Not a sum over axis 0, whose order XLA picks by
-    shape. split_k = 1: the kernel's output is y itself."""
+    shape. split_k = 1: y is partials itself ([M, N]) or its only partial ([1, M, N])."""
     if split_k == 1:
-        return partials
+        return partials[0] if partials.ndim == 3 else partials
     y = partials[0]
     for s in range(1, split_k):
         y = y + partials[s]
@@ -443,14 +443,24 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
-                  block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, split_k: int | None = None,
-                  mma: str | None = None, split_serial: bool | None = None):
+def linear_triton(x, w, **tuning):
     """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant. The
-    keyword overrides (row tile, rows per dot, tile width, warps, stages) are for tuning: none is
-    meant to change a result's bits (module docstring: checked on the H200 across row tiles).
-    split_k (tuning too) does change them: another split is another sum, as invariant in M."""
+    keyword overrides (row tile, rows per dot, tile width, warps, stages; see
+    linear_triton_partials) are for tuning: none is meant to change a result's bits (module
+    docstring: checked on the H200 across row tiles). split_k (tuning too) does change them:
+    another split is another sum, as invariant in M."""
+    partials = linear_triton_partials(x, w, **tuning)
+    return combine(partials, partials.shape[0])
+
+
+def linear_triton_partials(x, w, *, block_m: int | None = None, dot_m: int | None = None,
+                           block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, split_k: int | None = None,
+                           mma: str | None = None, split_serial: bool | None = None):
+    """The kernel's own output, fp32 [P, M, N]: the P = Plan.partials split partials that
+    `combine` sums in split order into linear_triton's y (P = 1: y itself, as [1, M, N]). For a
+    consumer that folds the combine into its own kernel (rowwise_triton's add_rms_norm and
+    qk_norm_rope), which saves the combine's launch and round trip."""
     import jax
     import jax.numpy as jnp
     from jspec.kernels.triton_ffi import triton_call
@@ -472,7 +482,7 @@ def linear_triton(x, w, *, block_m: int | None = None, dot_m: int | None = None,
         x, w, kernel=_kernel(), name="linear_bi",
         out_shape=jax.ShapeDtypeStruct(plan.out_shape, jnp.float32), grid=plan.grid,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **plan.constexprs())
-    return combine(out, plan.partials)
+    return out.reshape((plan.partials, M, N))
 
 
 def launch_torch(x, w, *, block_m: int | None = None, dot_m: int | None = None,

@@ -2,10 +2,15 @@
 logsumexp behind log-probs, and the q/k head norms with RoPE after the fused qkv projection.
 
     rms_norm(x[..., D], w[D], eps, out_dtype=None, impl) -> [..., D] (w's dtype, or fp32)
+    add_rms_norm(x[..., D], partials[P, ..., D], w[D], eps, impl)
+                                    -> (x + the partials in split order: fp32 [..., D],
+                                        its rms_norm: w's dtype [..., D])
     logsumexp(x[..., V], impl)                           -> fp32 [...]
     token_logprobs(logits[..., V], tokens[...], impl)    -> fp32 [...]
-    qk_norm_rope(qkv[..., H, hd], wq[hd], wk[hd], cos, sin, eps, Hq, Hkv, out_dtype, impl)
+    qk_norm_rope(qkv[P, ..., H, hd], wq[hd], wk[hd], cos, sin, eps, Hq, Hkv, out_dtype, impl)
                                                          -> out_dtype [..., H, hd]
+The partials are kernels.linear.linear_partials' output: a matmul's split-K partials, which the
+"triton" kernels sum in split order themselves (no combine launched between them).
 
   "xla"     today's math, op for op (the default; the CPU path and the test oracle). XLA picks a
             reduction's algorithm by shape, so a row's bits depend on how many rows it shares
@@ -21,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.kernels.linear import require_triton_gpu
+from jspec.kernels.linear import require_triton_gpu, sum_in_order
 
 REDUCTION_IMPLS = ("xla", "triton")
 
@@ -62,6 +67,31 @@ def rms_norm(x, w, eps: float, out_dtype=None, impl: str = "xla"):
             y = rms_norm_triton(x.reshape(-1, x.shape[-1]), w, eps,
                                 f32_out=out_dtype == jnp.float32)
         return y.reshape(x.shape)
+    raise _bad_impl(impl)
+
+
+def add_rms_norm_xla(x, partials, w, eps: float):
+    """The residual add, then RMSNorm: the model's two ops as it always ran them."""
+    total = x.astype(jnp.float32) + sum_in_order(partials)
+    return total, rms_norm_xla(total, w, eps)
+
+
+def add_rms_norm(x, partials, w, eps: float, impl: str = "xla"):
+    """x fp32 [..., D] (the residual stream), partials fp32 [P, ..., D] (linear_partials of the
+    matmul that writes into it), w [D] -> (x + sum_in_order(partials), fp32; its RMSNorm in w's
+    dtype). "triton": one kernel (rowwise_triton.add_rms_norm_triton) with the same fp32 adds in
+    the same order, so the sum's bits equal the XLA add's, in place of XLA's add (and split-K
+    combine) and the norm kernel: one launch instead of two."""
+    if impl == "xla":
+        return add_rms_norm_xla(x, partials, w, eps)
+    if impl == "triton":
+        check_impl(impl)
+        from jspec.kernels.rowwise_triton import add_rms_norm_triton
+        D = x.shape[-1]
+        with jax.named_scope("add_rms_norm_bi"):
+            total, y = add_rms_norm_triton(x.reshape(-1, D),
+                                           partials.reshape(partials.shape[0], -1, D), w, eps)
+        return total.reshape(x.shape), y.reshape(x.shape)
     raise _bad_impl(impl)
 
 
@@ -128,22 +158,25 @@ def qk_norm_rope_xla(qkv, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv
     return jnp.concatenate([q, k, v], axis=-2).astype(out_dtype)
 
 
-def qk_norm_rope(qkv, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
-                 out_dtype, impl: str = "xla"):
-    """qkv [..., Hq + 2 Hkv, hd] (the fused projection's fp32 output), wq / wk [hd] (q_norm,
-    k_norm), cos / sin [..., hd / 2] (rope_cos_sin of the rows' positions) -> out_dtype
-    [..., Hq + 2 Hkv, hd]. "triton": one kernel for all heads of a row
-    (rowwise_triton.qk_norm_rope_triton) instead of two norm kernels and the XLA fusions around
+def qk_norm_rope(qkv_partials, wq, wk, cos, sin, eps: float, num_q_heads: int,
+                 num_kv_heads: int, out_dtype, impl: str = "xla"):
+    """qkv_partials [P, ..., Hq + 2 Hkv, hd] (the fused projection's fp32 output as
+    linear_partials gives it: qkv = sum_in_order of them), wq / wk [hd] (q_norm, k_norm), cos /
+    sin [..., hd / 2] (rope_cos_sin of the rows' positions) -> out_dtype [..., Hq + 2 Hkv, hd].
+    "triton": one kernel for all heads of a row (rowwise_triton.qk_norm_rope_triton), which
+    also sums the partials, instead of a combine, two norm kernels and the XLA fusions around
     them."""
     if impl == "xla":
-        return qk_norm_rope_xla(qkv, wq, wk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
+        return qk_norm_rope_xla(sum_in_order(qkv_partials), wq, wk, cos, sin, eps, num_q_heads,
+                                num_kv_heads, out_dtype)
     if impl == "triton":
         check_impl(impl)
         from jspec.kernels.rowwise_triton import qk_norm_rope_triton
-        lead, half = qkv.shape[:-2], cos.shape[-1]
+        P, lead, heads = qkv_partials.shape[0], qkv_partials.shape[1:-2], qkv_partials.shape[-2:]
+        half = cos.shape[-1]
         with jax.named_scope("qk_norm_rope_bi"):
-            y = qk_norm_rope_triton(qkv.reshape((-1,) + qkv.shape[-2:]), wq, wk,
+            y = qk_norm_rope_triton(qkv_partials.reshape((P, -1) + heads), wq, wk,
                                     cos.reshape(-1, half), sin.reshape(-1, half), eps,
                                     num_q_heads, num_kv_heads, out_dtype)
-        return y.reshape(lead + qkv.shape[-2:])
+        return y.reshape(lead + heads)
     raise _bad_impl(impl)

@@ -68,6 +68,42 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D: tl.constexpr, EPS: tl.constexpr,
         tl.store(y_row + d, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def _add_rms_norm_kernel(x_ptr, p_ptr, w_ptr, sum_ptr, y_ptr, M: tl.constexpr, D: tl.constexpr,
+                         EPS: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr):
+    """The residual add and the next RMSNorm in one program per row: sum[row] = x[row] + ((p0 +
+    p1) + ...)[row], the fp32 residual stream plus a matmul's P split partials p [P, M, D]
+    (linear_triton_partials) in split order, which is the XLA adds' order (x + combine(p)),
+    stored; y[row] = w * normalise(sum[row]) exactly as _rms_norm_kernel rounds it. The second
+    pass recomputes the sum from the same loads (the same adds, so the same bits) instead of
+    reading back what this program stored."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    p_row = p_ptr + row * D
+    cols = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + cols
+        ok = d < D
+        t = tl.load(p_row + d, mask=ok, other=0.0)
+        for part in tl.static_range(1, P):
+            t = t + tl.load(p_row + part * M * D + d, mask=ok, other=0.0)
+        v = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) + t
+        tl.store(sum_ptr + row * D + d, v, mask=ok)
+        acc += v * v
+    mean_sq = tl.div_rn(tl.sum(acc, axis=0), D * 1.0)  # as _rms_norm_kernel
+    inv_rms = tl.rsqrt(mean_sq + EPS)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + cols
+        ok = d < D
+        t = tl.load(p_row + d, mask=ok, other=0.0)
+        for part in tl.static_range(1, P):
+            t = t + tl.load(p_row + part * M * D + d, mask=ok, other=0.0)
+        v = (tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) + t) * inv_rms
+        w = tl.load(w_ptr + d, mask=ok, other=0.0)
+        y = w.to(tl.float32) * v.to(w_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 def _logsumexp_kernel(x_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
     """lse[row] = log sum exp x[row], one pass: every lane keeps its own running max and its
     sum of exp(x - max) (rescaled when the max grows); the lanes are merged once at the end."""
@@ -90,24 +126,30 @@ def _logsumexp_kernel(x_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
     tl.store(lse_ptr + row, shift_row + tl.log(total))
 
 
-def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, H: tl.constexpr,
-                         HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
-                         EPS: tl.constexpr):
-    """y[row, h] for one head of the fused qkv projection x [M, H = HQ + 2 HKV, HD] (fp32): a q
-    head (h < HQ) or a k head gets RMSNorm with its weight (wq or wk [HD]: q_norm, k_norm) in
-    fp32, then rotate-half RoPE with cos / sin [M, HD / 2]; a v head is copied. One rounding, at
-    the store. Each lane also normalises its rotation partner (lane d pairs with d +- HD / 2)
-    from a second load, rather than shuffling registers: the same ops on the same values give
-    the partner's exact bits."""
+def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, M: tl.constexpr,
+                         H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
+                         EPS: tl.constexpr, P: tl.constexpr):
+    """y[row, h] for one head of the fused qkv projection, given as its P split partials x [P, M,
+    H = HQ + 2 HKV, HD] (fp32; linear_triton_partials), summed here in split order ((x0 + x1) +
+    ...: linear_triton.combine's adds, so the same bits as combining first): a q head (h < HQ)
+    or a k head gets RMSNorm with its weight (wq or wk [HD]: q_norm, k_norm) in fp32, then
+    rotate-half RoPE with cos / sin [M, HD / 2]; a v head is copied. One rounding, at the store.
+    Each lane also normalises its rotation partner (lane d pairs with d +- HD / 2) from a second
+    load, rather than shuffling registers: the same ops on the same values give the partner's
+    exact bits."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = HD // 2
     base = (row * H + h) * HD
     cols = tl.arange(0, HD)
     x = tl.load(x_ptr + base + cols).to(tl.float32)
+    for part in tl.static_range(1, P):
+        x = x + tl.load(x_ptr + part * M * H * HD + base + cols)
     if h < HQ + HKV:
         partner = (cols + HALF) % HD
         x_partner = tl.load(x_ptr + base + partner).to(tl.float32)
+        for part in tl.static_range(1, P):
+            x_partner = x_partner + tl.load(x_ptr + part * M * H * HD + base + partner)
         mean_sq = tl.div_rn(tl.sum(x * x, axis=0), HD * 1.0)  # as _rms_norm_kernel
         inv_rms = tl.rsqrt(mean_sq + EPS)
         is_k = h >= HQ  # both weights are read (256 bytes each): no pointer select needed
@@ -128,12 +170,12 @@ _KERNELS = None
 
 
 def _kernels():
-    """(rms_norm, logsumexp, qk_norm_rope), triton.jit at first use (Triton decides then between
-    compiling and interpreting)."""
+    """(rms_norm, logsumexp, qk_norm_rope, add_rms_norm), triton.jit at first use (Triton decides
+    then between compiling and interpreting)."""
     global _KERNELS
     if _KERNELS is None:
         _KERNELS = (triton.jit(_rms_norm_kernel), triton.jit(_logsumexp_kernel),
-                    triton.jit(_qk_norm_rope_kernel))
+                    triton.jit(_qk_norm_rope_kernel), triton.jit(_add_rms_norm_kernel))
     return _KERNELS
 
 
@@ -162,6 +204,11 @@ def plan_rms_norm(M: int, D: int) -> RowPlan:
     _check_rows(M, D, "rms_norm")
     return RowPlan(M=M, length=D, block=min(MAX_BLOCK_D, triton.next_power_of_2(D)),
                    num_warps=RMS_NUM_WARPS)
+
+
+def plan_add_rms_norm(M: int, D: int) -> RowPlan:
+    """add_rms_norm walks a row as rms_norm does: the same plan."""
+    return plan_rms_norm(M, D)
 
 
 def plan_logsumexp(M: int, V: int) -> RowPlan:
@@ -196,13 +243,27 @@ def plan_qk_norm_rope(M: int, num_q_heads: int, num_kv_heads: int, head_dim: int
     return HeadPlan(M=M, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
 
-def qk_norm_rope_constexprs(plan: HeadPlan, eps: float) -> dict:
-    return dict(H=plan.num_heads, HQ=plan.num_q_heads, HKV=plan.num_kv_heads, HD=plan.head_dim,
-                EPS=float(eps))
+def qk_norm_rope_constexprs(plan: HeadPlan, eps: float, partials: int = 1) -> dict:
+    return dict(M=plan.M, H=plan.num_heads, HQ=plan.num_q_heads, HKV=plan.num_kv_heads,
+                HD=plan.head_dim, EPS=float(eps), P=_check_partials(partials))
 
 
 def rms_norm_constexprs(plan: RowPlan, eps: float, f32_out: bool) -> dict:
     return dict(D=plan.length, EPS=float(eps), BLOCK_D=plan.block, F32_OUT=bool(f32_out))
+
+
+def add_rms_norm_constexprs(plan: RowPlan, eps: float, partials: int) -> dict:
+    return dict(M=plan.M, D=plan.length, EPS=float(eps), BLOCK_D=plan.block,
+                P=_check_partials(partials))
+
+
+MAX_PARTIALS = 8  # split partials a fused kernel sums (linear_triton's splits are at most 4)
+
+
+def _check_partials(partials: int) -> int:
+    if not 1 <= partials <= MAX_PARTIALS:
+        raise ValueError(f"partials must be 1..{MAX_PARTIALS}, got {partials}")
+    return int(partials)
 
 
 def logsumexp_constexprs(plan: RowPlan) -> dict:
@@ -228,6 +289,33 @@ def rms_norm_triton(x, w, eps: float, f32_out: bool = False):
         num_warps=plan.num_warps, num_stages=1, **rms_norm_constexprs(plan, eps, f32_out))
 
 
+def _check_add_operands(x, partials, w) -> RowPlan:
+    if x.ndim != 2 or partials.ndim != 3 or tuple(partials.shape[1:]) != tuple(x.shape) \
+            or tuple(w.shape) != (x.shape[1],):
+        raise ValueError(f"add_rms_norm: x must be [M, D], the partials [P, M, D] and w [D], got "
+                         f"{tuple(x.shape)}, {tuple(partials.shape)} and {tuple(w.shape)}")
+    _check_partials(partials.shape[0])
+    return plan_add_rms_norm(*x.shape)
+
+
+def add_rms_norm_triton(x, partials, w, eps: float):
+    """x fp32 [M, D] (the residual stream), partials fp32 [P, M, D] (a matmul's split partials),
+    w [D] -> (x + sum of the partials in split order, fp32 [M, D]; its RMSNorm in w's dtype),
+    batch-invariant: one program per row, rms_norm's walk."""
+    import jax
+    import jax.numpy as jnp
+    from jspec.kernels.triton_ffi import triton_call
+
+    plan = _check_add_operands(x, partials, w)
+    return triton_call(
+        x.astype(jnp.float32), partials.astype(jnp.float32), w, kernel=_kernels()[3],
+        name="add_rms_norm_bi",
+        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(x.shape, w.dtype)),
+        grid=plan.grid, num_warps=plan.num_warps, num_stages=1,
+        **add_rms_norm_constexprs(plan, eps, partials.shape[0]))
+
+
 def logsumexp_triton(x):
     """x [M, V] (fp32 or bf16) -> fp32 [M], batch-invariant."""
     import jax
@@ -244,10 +332,13 @@ def logsumexp_triton(x):
 
 
 def _check_qk_operands(x, wq, wk, cos, sin, num_q_heads: int, num_kv_heads: int) -> HeadPlan:
-    if x.ndim != 3 or x.shape[1] != num_q_heads + 2 * num_kv_heads:
+    """x is [M, H, hd] or its split partials [P, M, H, hd]."""
+    if x.ndim not in (3, 4) or x.shape[-2] != num_q_heads + 2 * num_kv_heads:
         raise ValueError(f"qk_norm_rope: x must be [M, {num_q_heads} + 2 x {num_kv_heads} heads, "
-                         f"head_dim], got {tuple(x.shape)}")
-    M, _, hd = x.shape
+                         f"head_dim] (or [P, ...] split partials), got {tuple(x.shape)}")
+    if x.ndim == 4:
+        _check_partials(x.shape[0])
+    M, _, hd = x.shape[-3:]
     plan = plan_qk_norm_rope(M, num_q_heads, num_kv_heads, hd)
     for name, w in (("wq", wq), ("wk", wk)):
         if tuple(w.shape) != (hd,):
@@ -260,9 +351,10 @@ def _check_qk_operands(x, wq, wk, cos, sin, num_q_heads: int, num_kv_heads: int)
 
 def qk_norm_rope_triton(x, wq, wk, cos, sin, eps: float, num_q_heads: int, num_kv_heads: int,
                         out_dtype):
-    """x fp32 [M, Hq + 2 Hkv, hd] (the fused qkv projection), wq / wk [hd] (q_norm, k_norm),
-    cos / sin fp32 [M, hd / 2] -> out_dtype [M, Hq + 2 Hkv, hd]: q and k normed and rotated, v
-    as is; batch-invariant (one program per row and head)."""
+    """x fp32 [M, Hq + 2 Hkv, hd] (the fused qkv projection) or its split partials [P, M, ...]
+    (linear_triton_partials; summed in split order in the kernel), wq / wk [hd] (q_norm,
+    k_norm), cos / sin fp32 [M, hd / 2] -> out_dtype [M, Hq + 2 Hkv, hd]: q and k normed and
+    rotated, v as is; batch-invariant (one program per row and head)."""
     import jax
     import jax.numpy as jnp
     from jspec.kernels.triton_ffi import triton_call
@@ -271,8 +363,9 @@ def qk_norm_rope_triton(x, wq, wk, cos, sin, eps: float, num_q_heads: int, num_k
     return triton_call(
         x.astype(jnp.float32), wq, wk, cos.astype(jnp.float32), sin.astype(jnp.float32),
         kernel=_kernels()[2], name="qk_norm_rope_bi",
-        out_shape=jax.ShapeDtypeStruct(x.shape, out_dtype), grid=plan.grid,
-        num_warps=plan.num_warps, num_stages=1, **qk_norm_rope_constexprs(plan, eps))
+        out_shape=jax.ShapeDtypeStruct(x.shape[-3:], out_dtype), grid=plan.grid,
+        num_warps=plan.num_warps, num_stages=1,
+        **qk_norm_rope_constexprs(plan, eps, x.shape[0] if x.ndim == 4 else 1))
 
 
 # ---- torch twins: Triton's CPU interpreter (tests) or a CUDA torch build -----------------------
@@ -316,9 +409,22 @@ def qk_norm_rope_launch_torch(x, wq, wk, cos, sin, eps: float, num_q_heads: int,
 
     _check_torch_device(x)
     plan = _check_qk_operands(x, wq, wk, cos, sin, num_q_heads, num_kv_heads)
-    y = torch.full(x.shape, float("nan"), dtype=out_dtype, device=x.device)
+    y = torch.full(x.shape[-3:], float("nan"), dtype=out_dtype, device=x.device)
     _kernels()[2][plan.grid](x.float().contiguous(), wq.contiguous(), wk.contiguous(),
                              cos.float().contiguous(), sin.float().contiguous(), y,
                              num_warps=plan.num_warps, num_stages=1,
-                             **qk_norm_rope_constexprs(plan, eps))
+                             **qk_norm_rope_constexprs(plan, eps, x.shape[0] if x.ndim == 4 else 1))
     return y
+
+
+def add_rms_norm_launch_torch(x, partials, w, eps: float):
+    import torch
+
+    _check_torch_device(x)
+    plan = _check_add_operands(x, partials, w)
+    total = torch.full(x.shape, float("nan"), dtype=torch.float32, device=x.device)
+    y = torch.full(x.shape, float("nan"), dtype=w.dtype, device=x.device)
+    _kernels()[3][plan.grid](x.float().contiguous(), partials.float().contiguous(), w.contiguous(),
+                             total, y, num_warps=plan.num_warps, num_stages=1,
+                             **add_rms_norm_constexprs(plan, eps, partials.shape[0]))
+    return total, y

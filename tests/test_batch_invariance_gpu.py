@@ -99,6 +99,47 @@ def test_qk_norm_rope_triton_rows_invariant_and_close(heads):
     assert (np.abs(busy - ref) <= 2 ** -7 * np.maximum(np.abs(ref), 1e-3 * scale)).all()
 
 
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_add_rms_norm_triton_rows_invariant_and_the_unfused_bits(P):
+    """The residual add folded into the norm: rows of M = 1 and M = 8 equal those of M = 256; the
+    sum is XLA's x + combine(partials) bit for bit, and the norm is rms_norm_triton's over that
+    sum bit for bit (so the fused route computes the model of before, bit for bit). The qkv
+    partials through qk_norm_rope likewise equal the combined qkv's."""
+    from jspec.kernels.linear_triton import combine
+    from jspec.kernels.rowwise_triton import add_rms_norm_triton, rms_norm_triton
+    D = 4096
+    kx, kp, kw = jax.random.split(jax.random.PRNGKey(P), 3)
+    x = 8 * jax.random.normal(kx, (256, D), jnp.float32)
+    parts = jax.random.normal(kp, (P, 256, D), jnp.float32)
+    w = (1 + 0.3 * jax.random.normal(kw, (D,), jnp.float32)).astype(jnp.bfloat16)
+    f = jax.jit(functools.partial(add_rms_norm_triton, eps=1e-6))
+    total, y = (np.asarray(a.astype(jnp.float32)) for a in f(x, parts, w))
+    for m in (1, 8):
+        t_m, y_m = f(x[:m], parts[:, :m], w)
+        np.testing.assert_array_equal(np.asarray(t_m), total[:m])
+        np.testing.assert_array_equal(np.asarray(y_m.astype(jnp.float32)), y[:m])
+    unfused = jax.jit(lambda x, p: x + combine(p, P))(x, parts)
+    np.testing.assert_array_equal(total, np.asarray(unfused))
+    norm = jax.jit(functools.partial(rms_norm_triton, eps=1e-6))(unfused, w)
+    np.testing.assert_array_equal(y, np.asarray(norm.astype(jnp.float32)))
+
+
+def test_qk_norm_rope_triton_over_partials_is_the_combined_bits():
+    from jspec.kernels.linear_triton import combine
+    from jspec.kernels.reductions import rope_cos_sin
+    from jspec.kernels.rowwise_triton import qk_norm_rope_triton
+    Hq, Hkv, hd = 32, 8, 128
+    kx, kw, kp = jax.random.split(jax.random.PRNGKey(11), 3)
+    parts = 4 * jax.random.normal(kx, (2, 8, Hq + 2 * Hkv, hd), jnp.float32)
+    w_qk = (1 + 0.3 * jax.random.normal(kw, (2, hd), jnp.float32)).astype(jnp.bfloat16)
+    cos, sin = rope_cos_sin(jax.random.randint(kp, (8,), 0, 40000), hd, 1e6)
+    f = jax.jit(functools.partial(qk_norm_rope_triton, eps=1e-6, num_q_heads=Hq,
+                                  num_kv_heads=Hkv, out_dtype=jnp.bfloat16))
+    got = np.asarray(f(parts, w_qk[0], w_qk[1], cos, sin).astype(jnp.float32))
+    want = np.asarray(f(combine(parts, 2), w_qk[0], w_qk[1], cos, sin).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_logsumexp_triton_rows_invariant_and_close():
     """A vocabulary row's logsumexp alone, among 8 and among 256 rows: the same bits; close to
     jax.nn.logsumexp. Through token_logprobs, a verify block's row equals that row decoded."""

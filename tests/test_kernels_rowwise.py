@@ -34,6 +34,9 @@ LSE_SHAPES = [(1, 151936, "float32"), (3, 1000, "float32"), (2, 8192, "bfloat16"
 # 2 and 4, small and 64-wide heads, fp32 output.
 QK_SHAPES = [(1, 32, 8, 128, "bfloat16"), (8, 4, 2, 128, "bfloat16"), (3, 2, 1, 16, "float32"),
              (5, 8, 2, 64, "bfloat16")]
+# (M, D, P): add_rms_norm's residual + P split partials: the 8B row at decode (down's 3 splits,
+# o's 2), a verify block, one partial (a serial split walk), a masked tail over two steps.
+ADD_SHAPES = [(1, 4096, 3), (8, 4096, 2), (3, 200, 1), (5, 5000, 3)]
 INVARIANCE_ROWS = (1, 5, 16, 33)  # the same first row among these many rows
 INV_D, INV_V = 4096, 151936
 
@@ -48,6 +51,16 @@ def _rms_inputs(i, M, D, x_dtype, w_dtype):
     x = (rng.normal(size=(M, D)) * rng.uniform(0.1, 30, size=(M, 1))).astype(np.float32)
     w = rng.normal(1.0, 0.3, size=(D,)).astype(np.float32)
     return (_bf16(x) if x_dtype == "bfloat16" else x), (_bf16(w) if w_dtype == "bfloat16" else w)
+
+
+def _add_inputs(i, M, D, P):
+    """A residual stream of varied scale, P partials of a smaller one (what o / down add), a
+    bf16 norm weight; all fp32 arrays."""
+    rng = np.random.default_rng(400 + i)
+    x = (rng.normal(size=(M, D)) * rng.uniform(1, 30, size=(M, 1))).astype(np.float32)
+    p = (rng.normal(size=(P, M, D)) * rng.uniform(0.01, 3, size=(P, M, 1))).astype(np.float32)
+    w = _bf16(rng.normal(1.0, 0.3, size=(D,)).astype(np.float32))
+    return x, p, w
 
 
 def _lse_inputs(i, M, V, dtype):
@@ -179,12 +192,45 @@ def test_qk_norm_rope_interpreted_matches_xla_twin(interpreted, index):
         assert (np.abs(got - want) <= 2 ** -7 * scale).all()
 
 
+@pytest.mark.parametrize("index", range(len(ADD_SHAPES)),
+                         ids=[f"M{m}_D{d}_P{p}" for m, d, p in ADD_SHAPES])
+def test_add_rms_norm_interpreted_is_the_add_then_the_norm_kernel(interpreted, index):
+    """The fused residual add + RMSNorm: its sum is the XLA add's (x + p0 + p1 ... in split
+    order) bit for bit, its norm is the rms_norm kernel's on that sum bit for bit (the same walk),
+    so folding the add into the norm changes no bit of the model; a sum in another order
+    differs (the partials are chosen so that it does), and the norm is close to float64."""
+    import jax.numpy as jnp
+
+    from jspec.kernels.reductions import add_rms_norm_xla
+    M, D, P = ADD_SHAPES[index]
+    x, p, w = _add_inputs(index, M, D, P)
+    got_sum, got_y = interpreted[f"add_sum{index}"], interpreted[f"add_y{index}"]
+    want_sum, _ = add_rms_norm_xla(jnp.asarray(x), jnp.asarray(p), jnp.asarray(w, jnp.bfloat16),
+                                   EPS)
+    np.testing.assert_array_equal(got_sum, np.asarray(want_sum))
+    if P > 1:
+        other_order = x
+        for part in p:  # ((x + p0) + p1) ...: the partials added one by one to the stream
+            other_order = other_order + part
+        assert (other_order != got_sum).any()  # the test can tell the order apart
+    np.testing.assert_array_equal(got_y, interpreted[f"add_norm_alone{index}"])
+    np.testing.assert_allclose(got_y, _rms_float64(np.asarray(want_sum), w, False),
+                               rtol=2 ** -6, atol=0)
+
+
+def test_qk_norm_rope_sums_its_partials_as_combine(interpreted):
+    """qk_norm_rope over the qkv projection's split partials equals the kernel over their
+    combined sum bit for bit (the adds it does at load are combine's), for 2 and 3 partials."""
+    for P in (2, 3):
+        np.testing.assert_array_equal(interpreted[f"qk_parts{P}"], interpreted[f"qk_summed{P}"])
+
+
 def test_rows_are_batch_invariant(interpreted):
     """Row 0 alone and among 5, 16 or 33 rows: the same bits, for both kernels and both RMSNorm
     output modes (the interpreter runs each program with numpy, so this checks the contract
     that matters here: one row per program, no state shared across rows, plans fixed by the
     row length)."""
-    for key in ("rms_inv_wdt", "rms_inv_f32", "lse_inv", "qk_inv"):
+    for key in ("rms_inv_wdt", "rms_inv_f32", "lse_inv", "qk_inv", "add_inv"):
         first = interpreted[f"{key}1"][0]
         for m in INVARIANCE_ROWS[1:]:
             np.testing.assert_array_equal(interpreted[f"{key}{m}"][0], first, err_msg=f"{key}{m}")
@@ -294,11 +340,22 @@ def kernels_on_xla(monkeypatch):
     import jspec.kernels.reductions as red
     import jspec.kernels.rowwise_triton as rw
     from jspec.kernels.linear import linear_xla
-    calls = {"linear": [], "rms_norm": [], "logsumexp": [], "qk_norm_rope": []}
+    calls = {"linear": [], "rms_norm": [], "add_rms_norm": [], "logsumexp": [],
+             "qk_norm_rope": []}
 
     def linear(x, w, **kw):
         calls["linear"].append(x.shape)
         return linear_xla(x, w)
+
+    def linear_partials(x, w, **kw):  # two partials, y / 2 each: their sum is y exactly
+        calls["linear"].append(x.shape)
+        half = linear_xla(x, w) * 0.5
+        return jnp.stack([half, half])
+
+    def add_rms(x, partials, w, eps):
+        assert x.ndim == 2 and partials.shape[1:] == x.shape and w.shape == x.shape[1:]
+        calls["add_rms_norm"].append((partials.shape[0],) + x.shape)
+        return red.add_rms_norm_xla(x, partials, w, eps)
 
     def rms(x, w, eps, f32_out=False):
         assert x.ndim == 2 and w.shape == x.shape[1:]
@@ -313,9 +370,12 @@ def kernels_on_xla(monkeypatch):
     def qk(x, wq, wk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype):
         rw._check_qk_operands(x, wq, wk, cos, sin, num_q_heads, num_kv_heads)
         calls["qk_norm_rope"].append(x.shape)
-        return red.qk_norm_rope_xla(x, wq, wk, cos, sin, eps, num_q_heads, num_kv_heads, out_dtype)
+        return red.qk_norm_rope_xla(red.sum_in_order(x), wq, wk, cos, sin, eps, num_q_heads,
+                                    num_kv_heads, out_dtype)
 
     monkeypatch.setattr(lt, "linear_triton", linear)
+    monkeypatch.setattr(lt, "linear_triton_partials", linear_partials)
+    monkeypatch.setattr(rw, "add_rms_norm_triton", add_rms)
     monkeypatch.setattr(rw, "qk_norm_rope_triton", qk)
     monkeypatch.setattr(rw, "rms_norm_triton", rms)
     monkeypatch.setattr(rw, "logsumexp_triton", lse)
@@ -325,9 +385,11 @@ def kernels_on_xla(monkeypatch):
 
 def test_model_norms_follow_linear_impl(kernels_on_xla):
     """fuse_projections(linear_impl="triton") puts every norm of the target on the invariant
-    route with the right operands (per layer the two hidden-state norms, and q/k's norms fused
-    with RoPE in one call over all heads; the final norm), the model computes the same logits,
-    and a drafter (fused with the default route) keeps all its norms on XLA."""
+    route with the right operands (per layer the two hidden-state norms, each with the residual
+    add before it and the split partials of the matmul it adds, except the first layer's input
+    norm; q/k's norms fused with RoPE in one call over all heads and the qkv partials; the final
+    norm with the last MLP's add), the model computes the same logits, and a drafter (fused
+    with the default route) keeps all its norms on XLA."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -342,10 +404,10 @@ def test_model_norms_follow_linear_impl(kernels_on_xla):
     got, _ = forward_logits(model, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     rows, D, hd = 2 * 5, cfg.hidden_size, cfg.head_dim
-    per_layer = [((rows, D), False), ((rows, D), False)]
-    assert kernels_on_xla["rms_norm"] == per_layer * cfg.num_layers + [((rows, D), False)]
+    assert kernels_on_xla["rms_norm"] == [((rows, D), False)]  # layer 0's input: nothing to add
+    assert kernels_on_xla["add_rms_norm"] == [(2, rows, D)] * (2 * cfg.num_layers)
     heads = cfg.num_heads + 2 * cfg.num_kv_heads
-    assert kernels_on_xla["qk_norm_rope"] == [(rows, heads, hd)] * cfg.num_layers
+    assert kernels_on_xla["qk_norm_rope"] == [(2, rows, heads, hd)] * cfg.num_layers
     unfuse_projections(model)
     norms = [m for _, m in nnx.iter_graph(model) if type(m).__name__ == "RMSNorm"]
     assert len(norms) == 4 * cfg.num_layers + 1 and all(n.impl == "xla" for n in norms)
@@ -406,7 +468,7 @@ def test_engine_programs_score_through_the_invariant_route(kernels_on_xla, monke
 
 # ---- the GPU compiler accepts the kernels (no GPU needed) --------------------------------------
 
-KERNEL_NAMES = ("rms_norm", "logsumexp", "qk_norm_rope")  # rowwise_triton._kernels() order
+KERNEL_NAMES = ("rms_norm", "logsumexp", "qk_norm_rope", "add_rms_norm")  # _kernels() order
 
 
 def _compile_sm90(name, signature, plan_args, *constexpr_args):
@@ -457,6 +519,39 @@ def test_qk_norm_rope_compiles_for_sm90():
     compiled, ptx, spills = _compile_sm90("qk_norm_rope", signature, (256, 32, 8, 128), EPS)
     assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
     assert "div.rn.f32" in ptx and "cvt.rn.bf16" in ptx  # the norm's mean; one rounding
+
+
+@pytest.mark.parametrize("M,P", [(1, 3), (256, 1)], ids=["decode_down", "busy_serial"])
+def test_add_rms_norm_compiles_for_sm90(M, P):
+    signature = dict(x_ptr="*fp32", p_ptr="*fp32", w_ptr="*bf16", sum_ptr="*fp32",
+                     y_ptr="*bf16")
+    compiled, ptx, spills = _compile_sm90("add_rms_norm", signature, (M, 4096), EPS, P)
+    assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
+    assert "div.rn.f32" in ptx and "cvt.rn.bf16" in ptx  # rms_norm's mean and rounding
+    assert ptx.count("add.f32") >= P  # the partials and the stream are added, not dropped
+
+
+def test_qk_norm_rope_over_partials_compiles_for_sm90():
+    signature = dict(x_ptr="*fp32", wq_ptr="*bf16", wk_ptr="*bf16", cos_ptr="*fp32",
+                     sin_ptr="*fp32", y_ptr="*bf16")
+    compiled, _, spills = _compile_sm90("qk_norm_rope", signature, (1, 32, 8, 128), EPS, 2)
+    assert compiled.metadata.shared <= 227 * 1024 and not any(spills)
+
+
+def test_add_operands_and_partials_are_checked():
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.rowwise_triton import _check_add_operands, add_rms_norm_constexprs
+    x, w = np.zeros((3, 16)), np.zeros(16)
+    assert _check_add_operands(x, np.zeros((2, 3, 16)), w).grid == (3,)
+    for args, match in (((x, np.zeros((3, 16)), w), "partials"),
+                        ((x, np.zeros((2, 4, 16)), w), "partials"),
+                        ((x, np.zeros((2, 3, 16)), np.zeros(8)), "w \\[D\\]"),
+                        ((x, np.zeros((9, 3, 16)), w), "partials must be 1..8")):
+        with pytest.raises(ValueError, match=match):
+            _check_add_operands(*args)
+    with pytest.raises(ValueError, match="partials must be"):
+        add_rms_norm_constexprs(_check_add_operands(x, np.zeros((1, 3, 16)), w), EPS, 0)
 
 
 def test_qk_plan_and_operands_are_checked():
@@ -554,8 +649,8 @@ def _interpret_worker(work: Path) -> None:
     from test_kernels_attention import _patch_interpreter
     _patch_interpreter()  # the scalar __index__ fix
     _rtne_bf16_casts()
-    from jspec.kernels.rowwise_triton import (logsumexp_launch_torch, qk_norm_rope_launch_torch,
-                                              rms_norm_launch_torch)
+    from jspec.kernels.rowwise_triton import (add_rms_norm_launch_torch, logsumexp_launch_torch,
+                                              qk_norm_rope_launch_torch, rms_norm_launch_torch)
 
     def t(a, dtype):
         return torch.from_numpy(np.ascontiguousarray(a)).to(
@@ -574,6 +669,27 @@ def _interpret_worker(work: Path) -> None:
             t(x, "float32"), t(w_qk[0], "bfloat16"), t(w_qk[1], "bfloat16"), t(cos, "float32"),
             t(sin, "float32"), EPS, Hq, Hkv,
             torch.bfloat16 if dtype == "bfloat16" else torch.float32).float().numpy()
+    for i, (M, D, P) in enumerate(ADD_SHAPES):
+        x, p, w = _add_inputs(i, M, D, P)
+        total, y = add_rms_norm_launch_torch(t(x, "float32"), t(p, "float32"), t(w, "bfloat16"),
+                                             EPS)
+        out[f"add_sum{i}"], out[f"add_y{i}"] = total.numpy(), y.float().numpy()
+        out[f"add_norm_alone{i}"] = rms_norm_launch_torch(total, t(w, "bfloat16"),
+                                                          EPS).float().numpy()
+    for P in (2, 3):
+        x, w_qk, cos, sin = _qk_inputs(50 + P, 3, 4, 2, 64)
+        parts = np.stack([x * (0.5 + 0.37 * s) for s in range(P)]).astype(np.float32)
+        summed = parts[0]
+        for s_ in range(1, P):
+            summed = summed + parts[s_]
+        args = (t(w_qk[0], "bfloat16"), t(w_qk[1], "bfloat16"), t(cos, "float32"),
+                t(sin, "float32"), EPS, 4, 2, torch.bfloat16)
+        out[f"qk_parts{P}"] = qk_norm_rope_launch_torch(t(parts, "float32"), *args).float().numpy()
+        out[f"qk_summed{P}"] = qk_norm_rope_launch_torch(t(summed, "float32"), *args).float().numpy()
+    ax, ap, aw = _add_inputs(99, max(INVARIANCE_ROWS), INV_D, 3)
+    for m in INVARIANCE_ROWS:
+        out[f"add_inv{m}"] = add_rms_norm_launch_torch(
+            t(ax[:m], "float32"), t(ap[:, :m], "float32"), t(aw, "bfloat16"), EPS)[1].float().numpy()
     qx, qw, qcos, qsin = _qk_inputs(99, max(INVARIANCE_ROWS), 4, 2, 128)
     for m in INVARIANCE_ROWS:
         out[f"qk_inv{m}"] = qk_norm_rope_launch_torch(

@@ -263,6 +263,46 @@ def test_bf16_model_keeps_an_fp32_residual_stream(hf_tiny_dirs):
     assert not np.array_equal(np.asarray(out), np.asarray(out.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
+def test_residual_adds_folded_into_the_norms_change_no_bit(hf_tiny_dirs):
+    """Qwen3.__call__ runs each residual add inside the norm after it (DecoderLayer.step, the
+    previous layer's MLP output pending into the next layer): on the XLA route the hidden states
+    and every tap equal, bit for bit, the layer loop as it was written before (each layer adding
+    its own attention and MLP outputs, verbatim below), in bf16 with the fp32 stream."""
+    import jax
+
+    from jspec.qwen3 import causal_attention
+    cfg, model = load_model(hf_tiny_dirs["tiny-untied"], dtype="bfloat16")
+    tokens = jnp.asarray(_tokens(cfg))
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    attention = causal_attention()
+    taps = tuple(range(cfg.num_layers))
+
+    def before(tokens, positions):
+        x_btd, outputs = model.embed(tokens), []
+        for i, layer in enumerate(model.layers):
+            x_btd = x_btd.astype(jnp.float32)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x_btd), positions)
+            attn_bthk, _ = attention(i, q, k, v, None)
+            x_btd = x_btd + layer.self_attn.out(attn_bthk.astype(q.dtype))
+            x_btd = x_btd + layer.mlp(layer.post_attention_layernorm(x_btd))
+            outputs.append(x_btd.astype(jnp.bfloat16))
+        return model.norm(x_btd), outputs
+
+    def now(tokens, positions):
+        hidden, got_taps, _ = model(tokens, positions, attention=attention, tap_layers=taps)
+        return hidden, got_taps
+
+    want_hidden, want_taps = jax.jit(before)(tokens, positions)
+    got_hidden, got_taps = jax.jit(now)(tokens, positions)
+    np.testing.assert_array_equal(np.asarray(got_hidden), np.asarray(want_hidden))
+    for got, want in zip(got_taps, want_taps, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # A layer called alone still adds its own MLP output (the drafter and training call it so).
+    x0 = model.embed(tokens)
+    alone, _ = model.layers[0](0, x0, positions, attention, None)
+    np.testing.assert_array_equal(np.asarray(alone.astype(jnp.bfloat16)), np.asarray(want_taps[0]))
+
+
 def test_fused_projections_compute_the_same_model(hf_tiny_dirs):
     """The serving layout (q/k/v and gate/up as one weight each) is the same model: logits and
     taps match the checkpoint layout, the old weights are gone, and fusing twice is a no-op."""
@@ -308,13 +348,21 @@ def test_linear_impl_plumbing_gives_the_same_model(hf_tiny_dirs, monkeypatch):
         calls.append(w.shape)
         return linear_xla(x, w)
 
+    def partials_stand_in(x, w, **kw):  # two split partials over the halves of K, as the kernel
+        stand_in(x, w)
+        h = x.shape[1] // 2
+        return jnp.stack([linear_xla(x[:, :h], w[:, :h]), linear_xla(x[:, h:], w[:, h:])])
+
     monkeypatch.setattr(lt, "linear_triton", stand_in)
+    monkeypatch.setattr(lt, "linear_triton_partials", partials_stand_in)
     # The norms follow the matmul route (qwen3._set_linear_impl): their kernels are GPU-only too.
     import jspec.kernels.reductions as red
     import jspec.kernels.rowwise_triton as rw
     monkeypatch.setattr(rw, "rms_norm_triton", lambda x, w, eps, f32_out=False: red.rms_norm_xla(
         x, w, eps, jnp.float32 if f32_out else None))
-    monkeypatch.setattr(rw, "qk_norm_rope_triton", red.qk_norm_rope_xla)
+    monkeypatch.setattr(rw, "add_rms_norm_triton", red.add_rms_norm_xla)
+    monkeypatch.setattr(rw, "qk_norm_rope_triton", lambda x, *a: red.qk_norm_rope_xla(
+        red.sum_in_order(x), *a))
     monkeypatch.setattr(red, "check_impl", lambda impl: None)
     cfg, model = load_model(hf_tiny_dirs["tiny-untied"])
     tokens = jnp.asarray(_tokens(cfg))
