@@ -35,7 +35,9 @@ import triton.language as tl
 
 MAX_BLOCK_D = 4096  # RMSNorm: widest step over a row (a Qwen3-8B hidden row in one step)
 BLOCK_V = 4096  # logsumexp: step over a vocabulary row (151936 = 37 steps + a masked tail)
-RMS_NUM_WARPS = 4
+# RMSNorm's warps (they fix its reduction tree, so its bits, the same in every row count);
+# JSPEC_RMS_NUM_WARPS overrides it for tuning runs.
+RMS_NUM_WARPS = int(os.environ.get("JSPEC_RMS_NUM_WARPS", "4"))
 LSE_NUM_WARPS = 8
 
 
@@ -44,28 +46,50 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D: tl.constexpr, EPS: tl.constexpr,
     """y[row] = w * normalise(x[row]) with RMSNorm's roundings (kernels/reductions.rms_norm_xla):
     the fp32 normalised row is either rounded to the weight's dtype and scaled there (F32_OUT
     False; a bf16 product is exact in fp32, so one rounding at the store is the bf16 multiply)
-    or scaled in fp32 (F32_OUT True)."""
+    or scaled in fp32 (F32_OUT True). A row that fits one step (D <= BLOCK_D) stays in registers
+    between the sum of squares and the scaling; a longer one is walked twice."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * D
     y_row = y_ptr + row * D
     cols = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + cols
-        x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
-        acc += x * x
-    mean_sq = tl.div_rn(tl.sum(acc, axis=0), D * 1.0)  # jnp.mean divides (rounded), as here
-    inv_rms = tl.rsqrt(mean_sq + EPS)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + cols
-        ok = d < D
-        x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) * inv_rms
-        w = tl.load(w_ptr + d, mask=ok, other=0.0)
-        if F32_OUT:
-            y = w.to(tl.float32) * x
-        else:
-            y = w.to(tl.float32) * x.to(w_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_row + d, y.to(y_ptr.dtype.element_ty), mask=ok)
+    if D <= BLOCK_D:
+        ok = cols < D
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        # 0 + x * x is x * x: the same bits as the walk's first step below.
+        mean_sq = tl.div_rn(tl.sum(x * x, axis=0), D * 1.0)
+        _rms_scale_store(x * tl.rsqrt(mean_sq + EPS), w_ptr, y_row, cols, ok, F32_OUT)
+    else:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + cols
+            x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            acc += x * x
+        mean_sq = tl.div_rn(tl.sum(acc, axis=0), D * 1.0)  # jnp.mean divides (rounded), as here
+        inv_rms = tl.rsqrt(mean_sq + EPS)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + cols
+            ok = d < D
+            x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) * inv_rms
+            _rms_scale_store(x, w_ptr, y_row, d, ok, F32_OUT)
+
+
+def _rms_scale_store(x_normed, w_ptr, y_row, d, ok, F32_OUT: tl.constexpr):
+    """y[d] = w[d] * x_normed with RMSNorm's rounding (see _rms_norm_kernel), stored."""
+    w = tl.load(w_ptr + d, mask=ok, other=0.0)
+    if F32_OUT:
+        y = w.to(tl.float32) * x_normed
+    else:
+        y = w.to(tl.float32) * x_normed.to(w_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_row + d, y.to(y_row.dtype.element_ty), mask=ok)
+
+
+def _residual_sum(x_row, p_row, d, ok, MD: tl.constexpr, P: tl.constexpr):
+    """x[d] + ((p0 + p1) + ... + p[P-1])[d] in fp32: the split partials combined in split order
+    (linear_triton.combine), then added to the stream (the XLA adds' order)."""
+    t = tl.load(p_row + d, mask=ok, other=0.0)
+    for part in tl.static_range(1, P):
+        t = t + tl.load(p_row + part * MD + d, mask=ok, other=0.0)
+    return tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) + t
 
 
 def _add_rms_norm_kernel(x_ptr, p_ptr, w_ptr, sum_ptr, y_ptr, M: tl.constexpr, D: tl.constexpr,
@@ -73,35 +97,36 @@ def _add_rms_norm_kernel(x_ptr, p_ptr, w_ptr, sum_ptr, y_ptr, M: tl.constexpr, D
     """The residual add and the next RMSNorm in one program per row: sum[row] = x[row] + ((p0 +
     p1) + ...)[row], the fp32 residual stream plus a matmul's P split partials p [P, M, D]
     (linear_triton_partials) in split order, which is the XLA adds' order (x + combine(p)),
-    stored; y[row] = w * normalise(sum[row]) exactly as _rms_norm_kernel rounds it. The second
-    pass recomputes the sum from the same loads (the same adds, so the same bits) instead of
-    reading back what this program stored."""
+    stored; y[row] = w * normalise(sum[row]) exactly as _rms_norm_kernel rounds it. A row in one
+    step stays in registers; a longer one recomputes the sum in the second pass from the same
+    loads (the same adds, so the same bits) instead of reading back what this program stored."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * D
     p_row = p_ptr + row * D
+    sum_row = sum_ptr + row * D
+    y_row = y_ptr + row * D
     cols = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + cols
-        ok = d < D
-        t = tl.load(p_row + d, mask=ok, other=0.0)
-        for part in tl.static_range(1, P):
-            t = t + tl.load(p_row + part * M * D + d, mask=ok, other=0.0)
-        v = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) + t
-        tl.store(sum_ptr + row * D + d, v, mask=ok)
-        acc += v * v
-    mean_sq = tl.div_rn(tl.sum(acc, axis=0), D * 1.0)  # as _rms_norm_kernel
-    inv_rms = tl.rsqrt(mean_sq + EPS)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + cols
-        ok = d < D
-        t = tl.load(p_row + d, mask=ok, other=0.0)
-        for part in tl.static_range(1, P):
-            t = t + tl.load(p_row + part * M * D + d, mask=ok, other=0.0)
-        v = (tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) + t) * inv_rms
-        w = tl.load(w_ptr + d, mask=ok, other=0.0)
-        y = w.to(tl.float32) * v.to(w_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=ok)
+    if D <= BLOCK_D:
+        ok = cols < D
+        v = _residual_sum(x_row, p_row, cols, ok, M * D, P)
+        tl.store(sum_row + cols, v, mask=ok)
+        mean_sq = tl.div_rn(tl.sum(v * v, axis=0), D * 1.0)  # as _rms_norm_kernel
+        _rms_scale_store(v * tl.rsqrt(mean_sq + EPS), w_ptr, y_row, cols, ok, False)
+    else:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + cols
+            ok = d < D
+            v = _residual_sum(x_row, p_row, d, ok, M * D, P)
+            tl.store(sum_row + d, v, mask=ok)
+            acc += v * v
+        mean_sq = tl.div_rn(tl.sum(acc, axis=0), D * 1.0)
+        inv_rms = tl.rsqrt(mean_sq + EPS)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + cols
+            ok = d < D
+            v = _residual_sum(x_row, p_row, d, ok, M * D, P) * inv_rms
+            _rms_scale_store(v, w_ptr, y_row, d, ok, False)
 
 
 def _logsumexp_kernel(x_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -167,6 +192,7 @@ def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, M: tl.c
 
 
 _KERNELS = None
+_HELPERS = ("_rms_scale_store", "_residual_sum")  # device functions the kernels call
 
 
 def _kernels():
@@ -174,6 +200,9 @@ def _kernels():
     then between compiling and interpreting)."""
     global _KERNELS
     if _KERNELS is None:
+        module = globals()  # the kernels look their helpers up here, by name, when compiled
+        for name in _HELPERS:
+            module[name] = triton.jit(module[name])
         _KERNELS = (triton.jit(_rms_norm_kernel), triton.jit(_logsumexp_kernel),
                     triton.jit(_qk_norm_rope_kernel), triton.jit(_add_rms_norm_kernel))
     return _KERNELS
