@@ -1,5 +1,6 @@
 """Batch-invariant row reductions on the GPU (Triton through jax-triton): RMSNorm over the last
-dim, logsumexp over a vocabulary row, and Qwen3's q/k head norms fused with RoPE.
+dim (alone, or with the residual add before it), logsumexp over a vocabulary row, and Qwen3's
+q/k head norms fused with RoPE.
 
 Why they exist: XLA picks a reduction's algorithm (threads per row, tree shape, whether rows are
 split across blocks) by shape, so row r of a norm or a log-softmax gets different fp32 bits when
@@ -22,7 +23,12 @@ step each of the 36 layers ran a q-norm kernel, a k-norm kernel and 3-4 small XL
 the split and the casts) at 1-1.75 us each, about 0.25 ms of a 5.7 ms step on the H200
 (docs/benchmarks.md). One program per (row, head) does a head's whole path: q and k heads are
 normalised exactly as `_rms_norm_kernel` does with F32_OUT, rotated with the cos / sin rows
-given, and rounded once; v heads are only rounded.
+given, and rounded once; v heads are only rounded. It takes the qkv projection's split-K
+partials and sums them in split order as it loads them (no combine kernel before it).
+
+The residual add and the norm after it (`_add_rms_norm_kernel`) run as one kernel for the same
+reason: it adds a matmul's split partials to the fp32 stream in split order (the XLA adds'
+order, so the same bits), stores the sum and normalises it as `_rms_norm_kernel` does.
 """
 
 from __future__ import annotations
