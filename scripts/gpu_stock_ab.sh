@@ -5,8 +5,13 @@
 #   (drop out/old/jspec/assets), then on the device, carrying .whl, out/old:
 #   . scripts/device_env.sh; bash scripts/gpu_stock_ab.sh out/old [RMS_WARPS...]
 # Each RMS_WARPS value (default: 4) runs this tree with JSPEC_RMS_NUM_WARPS set to it.
-# Writes $OUT/tests.log, rowwise.json, steps_{w<N>,old}_{1,2}.json (+ .log), profile_w<N>.json.
+# Writes tests.log, rowwise.json, steps_{w<N>,old}_{1,2}.json (+ .log), profile_w<N>.json into
+# $OUT/ab.tgz (one file: the device tool brings back only a few files a call).
 set -u
+FINAL_OUT=$OUT
+OUT=/tmp/stock_ab
+mkdir -p "$OUT"
+trap 'tar czf "$FINAL_OUT/ab.tgz" -C "$OUT" --exclude="*.hlo.txt.gz" .' EXIT
 OLD=${1:?usage: gpu_stock_ab.sh OLD_TREE [RMS_WARPS...]}
 shift
 WARPS=${*:-4}
