@@ -41,9 +41,10 @@ import triton.language as tl
 
 MAX_BLOCK_D = 4096  # RMSNorm: widest step over a row (a Qwen3-8B hidden row in one step)
 BLOCK_V = 4096  # logsumexp: step over a vocabulary row (151936 = 37 steps + a masked tail)
-# RMSNorm's warps (they fix its reduction tree, so its bits, the same in every row count);
-# JSPEC_RMS_NUM_WARPS overrides it for tuning runs.
-RMS_NUM_WARPS = int(os.environ.get("JSPEC_RMS_NUM_WARPS", "4"))
+# RMSNorm's warps (they fix its reduction tree, so its bits, the same in every row count); 8
+# beat 4 by 0.1-0.3 us a launch on the H100 (docs/benchmarks.md). JSPEC_RMS_NUM_WARPS overrides
+# it for tuning runs.
+RMS_NUM_WARPS = int(os.environ.get("JSPEC_RMS_NUM_WARPS", "8"))
 LSE_NUM_WARPS = 8
 
 
