@@ -11,13 +11,17 @@ Modules:
                                     is imported only when impl="triton" is chosen
   ragged_paged_attention_pallas_tpu.py  the TPU kernel (Pallas Mosaic; see TPU below)
   kv_cache_write.py                 write_kv, a plain XLA scatter into the page pools
-  linear.py                         the model's matmuls: linear(x, w, impl) with its XLA twin
+  linear.py                         the model's matmuls: linear(x, w, impl) with its XLA twin,
+                                    and linear_partials (the split-K partials left uncombined)
   linear_triton.py                  batch-invariant Triton matmul (a row's bits never depend on
                                     the row count), for EngineConfig.batch_invariant on the GPU
   reductions.py                     the model's row reductions: rms_norm(x, w, eps, out_dtype,
-                                    impl), logsumexp(x, impl) and token_logprobs, with XLA twins
-  rowwise_triton.py                 batch-invariant Triton RMSNorm and logsumexp (one program per
-                                    row, a fixed order), the batch_invariant partners of linear
+                                    impl), add_rms_norm (the residual add, then the norm),
+                                    qk_norm_rope, logsumexp(x, impl) and token_logprobs, with XLA
+                                    twins
+  rowwise_triton.py                 batch-invariant Triton RMSNorm (alone or with the residual
+                                    add), q/k norm + RoPE and logsumexp (one program per row, a
+                                    fixed order), the batch_invariant partners of linear
   triton_ffi.py                     every jax-triton call goes through it: jax-triton's legacy
                                     custom call rewritten to jaxlib's command-buffer-compatible
                                     FFI target (JSPEC_TRITON_FFI=auto|1|0)
