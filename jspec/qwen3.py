@@ -147,12 +147,9 @@ class Attention(nnx.Module):
         return (apply_rope(q, positions_bt, self.rope_theta).astype(dt),
                 apply_rope(k, positions_bt, self.rope_theta).astype(dt), v.astype(dt))
 
-    def out(self, attn_bthk: Array) -> Array:
-        """fp32: it is added to the fp32 residual stream without a rounding of its own."""
-        return sum_in_order(self.out_partials(attn_bthk))
-
     def out_partials(self, attn_bthk: Array) -> Array:
-        """`out` as fp32 [P, B, T, D] split partials, for the add + norm that reads them."""
+        """o_proj as fp32 [P, B, T, D] split partials (project_partials), for the add + norm that
+        reads them: fp32, added to the fp32 residual stream without a rounding of its own."""
         w = self.o_proj[...]  # [D, Hq, hd]
         return project_partials(attn_bthk.reshape(attn_bthk.shape[:2] + (-1,)),
                                 w.reshape(w.shape[0], -1), self.linear_impl)
@@ -183,9 +180,6 @@ class MLP(nnx.Module):
             gate, up = jnp.split(self.gate_up_proj[...], 2)
             self.gate_proj, self.up_proj = nnx.Param(gate), nnx.Param(up)
             del self.gate_up_proj
-
-    def __call__(self, x_btd: Array) -> Array:
-        return sum_in_order(self.partials(x_btd))  # fp32, into the fp32 residual
 
     def partials(self, x_btd: Array) -> Array:
         """The MLP's output as down_proj's fp32 [P, B, T, D] split partials (project_partials)."""

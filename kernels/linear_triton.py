@@ -81,7 +81,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from jspec.kernels.linear import mma_family_from_env
+from jspec.kernels.linear import mma_family_from_env, sum_in_order
 
 BLOCK_K = 128  # reduction step: fixed (see module docstring)
 MMA_M = 16  # rows of one mma.sync fragment: row tiles are multiples of it
@@ -253,13 +253,11 @@ class Plan:
 def combine(partials, split_k: int):
     """y = (...((p[0] + p[1]) + p[2]) ... + p[S-1]): elementwise fp32 adds in split order (jax or
     torch arrays; neither reassociates them). Not a sum over axis 0, whose order XLA picks by
-    shape. split_k = 1: y is partials itself ([M, N]) or its only partial ([1, M, N])."""
-    if split_k == 1:
-        return partials[0] if partials.ndim == 3 else partials
-    y = partials[0]
-    for s in range(1, split_k):
-        y = y + partials[s]
-    return y
+    shape (linear.sum_in_order). split_k = 1: y is partials itself ([M, N]) or its only partial
+    ([1, M, N])."""
+    if split_k == 1 and partials.ndim == 2:
+        return partials
+    return sum_in_order(partials[:split_k])
 
 
 def _pow2(v: int) -> bool:

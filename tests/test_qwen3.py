@@ -270,6 +270,7 @@ def test_residual_adds_folded_into_the_norms_change_no_bit(hf_tiny_dirs):
     its own attention and MLP outputs, verbatim below), in bf16 with the fp32 stream."""
     import jax
 
+    from jspec.kernels.linear import sum_in_order
     from jspec.qwen3 import causal_attention
     cfg, model = load_model(hf_tiny_dirs["tiny-untied"], dtype="bfloat16")
     tokens = jnp.asarray(_tokens(cfg))
@@ -283,8 +284,8 @@ def test_residual_adds_folded_into_the_norms_change_no_bit(hf_tiny_dirs):
             x_btd = x_btd.astype(jnp.float32)
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x_btd), positions)
             attn_bthk, _ = attention(i, q, k, v, None)
-            x_btd = x_btd + layer.self_attn.out(attn_bthk.astype(q.dtype))
-            x_btd = x_btd + layer.mlp(layer.post_attention_layernorm(x_btd))
+            x_btd = x_btd + sum_in_order(layer.self_attn.out_partials(attn_bthk.astype(q.dtype)))
+            x_btd = x_btd + sum_in_order(layer.mlp.partials(layer.post_attention_layernorm(x_btd)))
             outputs.append(x_btd.astype(jnp.bfloat16))
         return model.norm(x_btd), outputs
 
