@@ -90,24 +90,28 @@ def _rms_scale_store(x_normed, w_ptr, y_row, d, ok, F32_OUT: tl.constexpr):
     tl.store(y_row + d, y.to(y_row.dtype.element_ty), mask=ok)
 
 
-def _residual_sum(x_row, p_row, d, ok, MD: tl.constexpr, P: tl.constexpr):
-    """x[d] + ((p0 + p1) + ... + p[P-1])[d] in fp32: the split partials combined in split order
-    (linear_triton.combine), then added to the stream (the XLA adds' order)."""
+def _residual_sum(x_row, p_row, d, ok, MD, P: tl.constexpr):
+    """x[d] + ((p0 + p1) + ... + p[P-1])[d] in fp32: the split partials (MD elements apart)
+    combined in split order (linear_triton.combine), then added to the stream (the XLA adds'
+    order)."""
     t = tl.load(p_row + d, mask=ok, other=0.0)
     for part in tl.static_range(1, P):
         t = t + tl.load(p_row + part * MD + d, mask=ok, other=0.0)
     return tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32) + t
 
 
-def _add_rms_norm_kernel(x_ptr, p_ptr, w_ptr, sum_ptr, y_ptr, M: tl.constexpr, D: tl.constexpr,
-                         EPS: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, p_ptr, w_ptr, sum_ptr, y_ptr, D: tl.constexpr, EPS: tl.constexpr,
+                         BLOCK_D: tl.constexpr, P: tl.constexpr):
     """The residual add and the next RMSNorm in one program per row: sum[row] = x[row] + ((p0 +
     p1) + ...)[row], the fp32 residual stream plus a matmul's P split partials p [P, M, D]
     (linear_triton_partials) in split order, which is the XLA adds' order (x + combine(p)),
     stored; y[row] = w * normalise(sum[row]) exactly as _rms_norm_kernel rounds it. A row in one
     step stays in registers; a longer one recomputes the sum in the second pass from the same
-    loads (the same adds, so the same bits) instead of reading back what this program stored."""
+    loads (the same adds, so the same bits) instead of reading back what this program stored.
+    The grid has one program per row, so it gives M (the partials' stride) at run time: one
+    compiled kernel serves every row count."""
     row = tl.program_id(0).to(tl.int64)
+    MD = tl.num_programs(0).to(tl.int64) * D
     x_row = x_ptr + row * D
     p_row = p_ptr + row * D
     sum_row = sum_ptr + row * D
@@ -115,7 +119,7 @@ def _add_rms_norm_kernel(x_ptr, p_ptr, w_ptr, sum_ptr, y_ptr, M: tl.constexpr, D
     cols = tl.arange(0, BLOCK_D)
     if D <= BLOCK_D:
         ok = cols < D
-        v = _residual_sum(x_row, p_row, cols, ok, M * D, P)
+        v = _residual_sum(x_row, p_row, cols, ok, MD, P)
         tl.store(sum_row + cols, v, mask=ok)
         mean_sq = tl.div_rn(tl.sum(v * v, axis=0), D * 1.0)  # as _rms_norm_kernel
         _rms_scale_store(v * tl.rsqrt(mean_sq + EPS), w_ptr, y_row, cols, ok, False)
@@ -124,7 +128,7 @@ def _add_rms_norm_kernel(x_ptr, p_ptr, w_ptr, sum_ptr, y_ptr, M: tl.constexpr, D
         for d0 in range(0, D, BLOCK_D):
             d = d0 + cols
             ok = d < D
-            v = _residual_sum(x_row, p_row, d, ok, M * D, P)
+            v = _residual_sum(x_row, p_row, d, ok, MD, P)
             tl.store(sum_row + d, v, mask=ok)
             acc += v * v
         mean_sq = tl.div_rn(tl.sum(acc, axis=0), D * 1.0)
@@ -132,7 +136,7 @@ def _add_rms_norm_kernel(x_ptr, p_ptr, w_ptr, sum_ptr, y_ptr, M: tl.constexpr, D
         for d0 in range(0, D, BLOCK_D):
             d = d0 + cols
             ok = d < D
-            v = _residual_sum(x_row, p_row, d, ok, M * D, P) * inv_rms
+            v = _residual_sum(x_row, p_row, d, ok, MD, P) * inv_rms
             _rms_scale_store(v, w_ptr, y_row, d, ok, False)
 
 
@@ -158,9 +162,9 @@ def _logsumexp_kernel(x_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
     tl.store(lse_ptr + row, shift_row + tl.log(total))
 
 
-def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, M: tl.constexpr,
-                         H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
-                         EPS: tl.constexpr, P: tl.constexpr):
+def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, H: tl.constexpr,
+                         HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, EPS: tl.constexpr,
+                         P: tl.constexpr):
     """y[row, h] for one head of the fused qkv projection, given as its P split partials x [P, M,
     H = HQ + 2 HKV, HD] (fp32; linear_triton_partials), summed here in split order ((x0 + x1) +
     ...: linear_triton.combine's adds, so the same bits as combining first): a q head (h < HQ)
@@ -168,20 +172,21 @@ def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, M: tl.c
     rotate-half RoPE with cos / sin [M, HD / 2]; a v head is copied. One rounding, at the store.
     Each lane also normalises its rotation partner (lane d pairs with d +- HD / 2) from a second
     load, rather than shuffling registers: the same ops on the same values give the partner's
-    exact bits."""
+    exact bits. The grid is (M, H), so the partials' stride comes from it at run time."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = HD // 2
+    part_stride = tl.num_programs(0).to(tl.int64) * H * HD
     base = (row * H + h) * HD
     cols = tl.arange(0, HD)
     x = tl.load(x_ptr + base + cols).to(tl.float32)
     for part in tl.static_range(1, P):
-        x = x + tl.load(x_ptr + part * M * H * HD + base + cols)
+        x = x + tl.load(x_ptr + part * part_stride + base + cols)
     if h < HQ + HKV:
         partner = (cols + HALF) % HD
         x_partner = tl.load(x_ptr + base + partner).to(tl.float32)
         for part in tl.static_range(1, P):
-            x_partner = x_partner + tl.load(x_ptr + part * M * H * HD + base + partner)
+            x_partner = x_partner + tl.load(x_ptr + part * part_stride + base + partner)
         mean_sq = tl.div_rn(tl.sum(x * x, axis=0), HD * 1.0)  # as _rms_norm_kernel
         inv_rms = tl.rsqrt(mean_sq + EPS)
         is_k = h >= HQ  # both weights are read (256 bytes each): no pointer select needed
@@ -280,7 +285,7 @@ def plan_qk_norm_rope(M: int, num_q_heads: int, num_kv_heads: int, head_dim: int
 
 
 def qk_norm_rope_constexprs(plan: HeadPlan, eps: float, partials: int = 1) -> dict:
-    return dict(M=plan.M, H=plan.num_heads, HQ=plan.num_q_heads, HKV=plan.num_kv_heads,
+    return dict(H=plan.num_heads, HQ=plan.num_q_heads, HKV=plan.num_kv_heads,
                 HD=plan.head_dim, EPS=float(eps), P=_check_partials(partials))
 
 
@@ -289,8 +294,7 @@ def rms_norm_constexprs(plan: RowPlan, eps: float, f32_out: bool) -> dict:
 
 
 def add_rms_norm_constexprs(plan: RowPlan, eps: float, partials: int) -> dict:
-    return dict(M=plan.M, D=plan.length, EPS=float(eps), BLOCK_D=plan.block,
-                P=_check_partials(partials))
+    return dict(D=plan.length, EPS=float(eps), BLOCK_D=plan.block, P=_check_partials(partials))
 
 
 MAX_PARTIALS = 8  # split partials a fused kernel sums (linear_triton's splits are at most 4)

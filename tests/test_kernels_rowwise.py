@@ -255,6 +255,24 @@ def test_plans_depend_on_the_row_length_only():
         plan_logsumexp(4, 0)
 
 
+def test_one_compiled_kernel_serves_every_row_count():
+    """The kernels' compile-time constants (what Triton keys its compiled kernels on, beside the
+    pointer dtypes) do not depend on the row count: the fused kernels read the partials' stride
+    from the grid at run time, so decode, verify and prefill share one compiled kernel each."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    import jspec.kernels.rowwise_triton as rw
+
+    def keys(constexprs_of):  # the distinct constant sets over decode, verify and busy rows
+        return {tuple(sorted(constexprs_of(m).items())) for m in (1, 8, 256)}
+
+    for P in (1, 3):
+        add = keys(lambda m: rw.add_rms_norm_constexprs(rw.plan_add_rms_norm(m, 4096), EPS, P))
+        qk = keys(lambda m: rw.qk_norm_rope_constexprs(rw.plan_qk_norm_rope(m, 32, 8, 128), EPS, P))
+        assert len(add) == 1 and len(qk) == 1, (add, qk)
+    assert len(keys(lambda m: rw.rms_norm_constexprs(rw.plan_rms_norm(m, 4096), EPS, False))) == 1
+
+
 # ---- the interface: impl "xla" is today's math, "triton" is GPU only -------------------------
 
 def _todays_rms_norm(x, w, eps, out_dtype=None):
