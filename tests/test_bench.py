@@ -355,3 +355,53 @@ def test_bench_quick_draft_vocabulary(bench_pair, tmp_path):
     assert "--draft-vocab 64" in rec["env"]["command"]
     assert not rec["workloads"]["solo"]["recompiled"]
     assert rec["acceptance"]["solo"] >= 1.0 and rec["fidelity"]["mean"] <= 0.002
+
+
+# ---- the transformers peer's subprocess ----------------------------------------------------------
+
+def test_peer_process_cannot_see_the_repos_kernels_package(tmp_path, monkeypatch):
+    """transformers (5.17 on the GPU machine) imports any top-level `kernels` it can find at
+    start-up; run from the repo root with the root on PYTHONPATH it found jspec's kernels/ and the
+    peer died before loading the model. The peer's process must not see the repo root, whatever
+    PYTHONPATH holds, while other PYTHONPATH entries survive."""
+    import ast
+    import subprocess
+
+    from jspec.bench.run import REPO_ROOT, peer_process
+
+    other = tmp_path / "site"
+    other.mkdir()
+    monkeypatch.setenv("PYTHONPATH", f"{REPO_ROOT}:{other}")
+    argv, env = peer_process(tmp_path / "job.json", tmp_path / "out.json")
+    assert argv[1] == "-P" and argv[2].endswith("jspec/bench/peer.py")
+    probe = ("import importlib.util, sys; s = importlib.util.find_spec('kernels'); "
+             "print(s.origin if s else None); print(sys.path)")
+    out = subprocess.run([argv[0], "-P", "-c", probe], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[0] != str(REPO_ROOT / "kernels" / "__init__.py")  # None, or Hugging Face's package
+    path = ast.literal_eval(out[1])
+    assert str(other) in path and str(REPO_ROOT) not in path and "" not in path
+
+
+def test_peer_runs_through_its_launcher_on_cpu(tmp_path):
+    """The whole peer (transformers generate, eager on CPU) on a tiny random Qwen3, started the way
+    `jspec bench` starts it: it writes tokens/s for every pass."""
+    import subprocess
+
+    from hf_models import make_hf_qwen3
+    from jspec.bench.run import peer_process
+    from jspec.config import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+                      dtype="float32")
+    make_hf_qwen3(cfg, tmp_path / "model")
+    job = {"model": str(tmp_path / "model"), "prompts": [[5, 6, 7], [9, 10]], "max_new_tokens": 6,
+           "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, "eos_ids": [],
+           "seeds": [[1, 2], [3, 4]]}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    argv, env = peer_process(tmp_path / "job.json", tmp_path / "res.json")
+    run = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert res["tokens"] == [12, 12] and len(res["passes"]) == 2 and res["tokens_per_s"] > 0

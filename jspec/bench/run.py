@@ -54,6 +54,22 @@ from jspec.kernels.linear import mma_family_from_env
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def peer_process(job_path: Path, res_path: Path) -> tuple[list[str], dict]:
+    """argv and environment of the peer's subprocess: jspec/bench/peer.py run by path with -P
+    and the repo root dropped from PYTHONPATH. It needs only torch and transformers, and with the
+    root on its path transformers' start-up check finds this repo's kernels/ as the top-level
+    `kernels` package, imports it and fails where Hugging Face's `kernels` is not installed
+    (the GPU machine, 2026-12-06: docs/benchmarks.md)."""
+    root = os.path.abspath(REPO_ROOT)
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and os.path.abspath(p) != root]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
+    return ([sys.executable, "-P", str(Path(__file__).with_name("peer.py")), "--job",
+             str(Path(job_path).resolve()), "--out", str(Path(res_path).resolve())], env)
+
+
 # ---- command line -----------------------------------------------------------------------------
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -764,11 +780,10 @@ class Bench:
         res_path.unlink(missing_ok=True)
         log = self.out / "peer.log"
         t = time.time()
+        argv, env = peer_process(job_path, res_path)
         with open(log, "w") as f:
-            rc = subprocess.run([sys.executable, "-m", "jspec.bench.peer", "--job", str(job_path),
-                                 "--out", str(res_path)], stdout=f, stderr=subprocess.STDOUT,
-                                cwd=str(REPO_ROOT), env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                    [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}).returncode
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=str(self.out),
+                                env=env).returncode
         res = json.loads(res_path.read_text()) if res_path.exists() else {}
         if rc != 0 or "tokens_per_s" not in res:
             tail = log.read_text()[-600:] if log.exists() else ""
