@@ -78,6 +78,8 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
 # (train_standin checks it against the split einsums first and falls back to them); split: the
 # einsums. On the H200 (2026-12-03, 4 x 4096 rows, 1,024 anchors, synthetic packed rows,
 # scripts/profile_drafter_train.py) a step took 72.7 ms fused against 94.7 ms split (1.30x).
+# cudnn_chunks: the same attention per chunk of 128 anchors, each seeing only its own blocks' keys
+# (about 2.3x fewer scores at 1,024 anchors; not yet timed on the GPU: docs/benchmarks.md).
 COMMON+=(--block-attn "${BLOCK_ATTN:-cudnn}")
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 left() { echo $((START + LIMIT - $(date +%s))); }

@@ -74,7 +74,7 @@ def parse_args(argv=None):
                         "as train_standin does)")
     g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--row-chunk", type=int, default=2048, help="drafter loss: block rows per vocabulary chunk")
-    g.add_argument("--block-attn", default="split", choices=["split", "cudnn", "xla"],
+    g.add_argument("--block-attn", default="split", choices=["split", "cudnn", "xla", "cudnn_chunks", "xla_chunks"],
                    help="the drafter's block attention in training (DrafterTrainConfig.block_attn_impl)")
     g.add_argument("--loss-remat", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute the loss chunks' vocabulary terms in the backward (train_standin's default)")
@@ -149,6 +149,17 @@ class StepShape:
         return self.rows * self.anchors * self.block
 
 
+def block_keys_per_block(s) -> int:
+    """How many blocks' keys a block query scores on the route s.block_attn: its own ("split"),
+    every block of the row (the masked routes) or every block of its chunk ("*_chunks")."""
+    import math
+
+    from jspec.train.drafter import CHUNK_ANCHORS
+    if s.block_attn == "split":
+        return 1
+    return math.gcd(s.anchors, CHUNK_ANCHORS) if s.block_attn.endswith("_chunks") else s.anchors
+
+
 def step_flops(s: StepShape) -> dict[str, float]:
     """FLOPs of one training step by component (a multiply-add = 2), disjoint, summing to the
     step. Matmuls only: the softmax / L1 passes over [R, V] are memory-bound and left out.
@@ -167,9 +178,9 @@ def step_flops(s: StepShape) -> dict[str, float]:
         "drafter_context_fwd": 2.0 * T * s.taps * s.hidden * s.hidden + 2.0 * T * s.hidden * 2 * kvd * s.draft_layers,
         "drafter_layers_fwd": 2.0 * R * layer_params * s.draft_layers,
         # every block query scores all S context keys (masked, not skipped) and its own block;
-        # the fused (masked) route scores every block's keys too
-        "drafter_block_attention_fwd": 4.0 * R * (s.seq_len + (s.block if s.block_attn == "split"
-                                                              else s.anchors * s.block)) * qd * s.draft_layers,
+        # the fused (masked) route scores every block's keys too, the chunked one its chunk's
+        "drafter_block_attention_fwd": 4.0 * R * (s.seq_len + s.block * block_keys_per_block(s))
+                                       * qd * s.draft_layers,
         "vocab_drafter_fwd": 2.0 * R * s.hidden * s.vocab + 2.0 * R * s.markov_rank * s.vocab,
         "vocab_target_fwd": 2.0 * R * s.hidden * s.vocab,
     }

@@ -197,10 +197,12 @@ def parse_args(argv=None):
     g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--loss-chunk", type=int, default=4096, help="target CE: tokens per vocabulary chunk")
     g.add_argument("--row-chunk", type=int, default=2048, help="drafter loss: block rows per vocabulary chunk")
-    g.add_argument("--block-attn", default="split", choices=["split", "cudnn"],
-                   help="drafter training's block attention: split einsums (scores in HBM) or one "
-                        "fused cuDNN attention under a mask (checked against split first; falls "
-                        "back to split where it does not run or differs)")
+    g.add_argument("--block-attn", default="split", choices=["split", "cudnn", "cudnn_chunks"],
+                   help="drafter training's block attention: split einsums (scores in HBM), one "
+                        "fused cuDNN attention under a mask, or that attention per chunk of "
+                        "anchors with only its own blocks' keys (fewer masked scores); the cuDNN "
+                        "routes are checked against split first and fall back to split where "
+                        "they do not run or differ")
     g.add_argument("--loss-remat", action=argparse.BooleanOptionalAction, default=True,
                    help="drafter loss: recompute each row chunk's vocabulary-sized terms in the "
                         "backward (--no-loss-remat keeps them: more memory, less compute)")
@@ -392,11 +394,12 @@ def cudnn_attention_works(segments: bool = False) -> bool:
         return False
 
 
-def cudnn_block_attention_works() -> bool:
-    """The drafter's block attention fused on cuDNN runs here and matches the split einsums."""
+def cudnn_block_attention_works(impl: str = "cudnn") -> bool:
+    """The drafter's block attention fused on cuDNN (`impl`: "cudnn" or "cudnn_chunks") runs here
+    and matches the split einsums."""
     from jspec.train.drafter import block_attention_gap
     try:
-        err = block_attention_gap("cudnn")
+        err = block_attention_gap(impl)
     except Exception as e:  # no GPU, old cuDNN, unsupported shape: say why and fall back
         log(f"cuDNN block attention check failed: {type(e).__name__}: {str(e)[:200]}")
         return False
@@ -774,7 +777,7 @@ def drafter_stages(args, out: Path, target_cfg, model, vocab, mask_id, full_dir,
     from jspec.train.drafter import drafter_config
     if args.attn == "cudnn" and not cudnn_attention_works(segments=args.pack_replies):
         args.attn = "dense"
-    if args.block_attn == "cudnn" and not cudnn_block_attention_works():
+    if args.block_attn != "split" and not cudnn_block_attention_works(args.block_attn):
         args.block_attn = "split"
     rows_of = vocab.docs_to_rows if vocab else (lambda docs: docs)
     if args.joined_rows and not args.pack_replies:

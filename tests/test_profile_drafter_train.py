@@ -79,6 +79,13 @@ def test_flops_by_count():
     assert cudnn["target_attention_fwd"] == pytest.approx(f["target_attention_fwd"] * 4.5 / 8)
     remat = pdt.step_flops(pdt.StepShape(**{**s.__dict__, "remat": True}))
     assert remat["total"] > f["total"]
+    # the block attention's keys per block query: its own block (split), every block of the row
+    # (masked), its chunk's blocks (chunked; 1,024 anchors in chunks of 128)
+    big = {**s.__dict__, "seq_len": 4096, "anchors": 1024, "block": 7}
+    per_key = {impl: pdt.step_flops(pdt.StepShape(**{**big, "block_attn": impl}))[
+        "drafter_block_attention_fwd"] / (4096 + 7 * n)
+        for impl, n in (("split", 1), ("cudnn", 1024), ("cudnn_chunks", 128))}
+    assert len({round(v, 6) for v in per_key.values()}) == 1  # the same cost per key
 
 
 @pytest.mark.parametrize("bad, option", [

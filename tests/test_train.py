@@ -599,15 +599,57 @@ def test_block_attention_gap_sees_a_wrong_mask(monkeypatch):
     import jspec.train.drafter as drafter_mod
     real = drafter_mod._masked_block_attention
     monkeypatch.setattr(drafter_mod, "_masked_block_attention",
-                        lambda ctx_kv, sees, block, impl: real(ctx_kv, jnp.ones_like(sees), block, impl))
+                        lambda ctx_kv, sees, block, impl, chunk: real(ctx_kv, jnp.ones_like(sees),
+                                                                      block, impl, chunk))
     assert drafter_mod.block_attention_gap("xla", dtype=jnp.float32) > 0.1
+    assert drafter_mod.block_attention_gap("xla_chunks", dtype=jnp.float32) > 0.1
 
 
-def test_training_block_logits_are_the_same_on_the_masked_route(random_pair):
+def test_chunked_block_attention_is_the_masked_one(monkeypatch):
+    """The blocks in chunks of anchors, each chunk seeing the context and only its own blocks'
+    keys: the same outputs and the same gradients (the context keys' summed over the chunks) as
+    one masked attention over every block, for chunks of 2 and 3 anchors out of 6, and the check
+    train_standin runs before it trains agrees. A chunking that puts one block's queries beside
+    another chunk's keys (the blocks shifted by one anchor) is told apart."""
+    import jspec.train.drafter as drafter_mod
+
+    B, S, A, blk, Hkv, g, hd = 2, 20, 6, 3, 1, 2, 8
+    keys = jax.random.split(jax.random.PRNGKey(4), 6)
+    q = jax.random.normal(keys[0], (B, A * blk, Hkv * g, hd))
+    k, v = (jax.random.normal(kx, (B, A * blk, Hkv, hd)) for kx in keys[1:3])
+    k_ctx, v_ctx = (jax.random.normal(kx, (B, S, Hkv, hd)) for kx in keys[3:5])
+    anchors = np.array([[1, 4, 7, 9, 13, 18], [0, 2, 5, 11, 15, 19]])
+    seg = (np.arange(S) >= 10)[None].repeat(B, 0)  # two sequences a row
+    sees = jnp.asarray((np.arange(S) < anchors[..., None])
+                       & (seg[:, None, :] == np.take_along_axis(seg, anchors, 1)[..., None]))
+
+    def run(impl, q, k, k_ctx):
+        return drafter_mod.block_attention([(k_ctx, v_ctx)], sees, blk, impl)(0, q, k, v, None)[0]
+
+    def loss(impl):  # a weighted sum, so that every output position counts differently
+        w = jax.random.normal(keys[5], q.shape)
+        return jax.grad(lambda *a: (run(impl, *a) * w).sum(), argnums=(0, 1, 2))
+
+    base, base_grads = run("xla", q, k, k_ctx), loss("xla")(q, k, k_ctx)
+    for chunk in (2, 3):
+        monkeypatch.setattr(drafter_mod, "CHUNK_ANCHORS", chunk)
+        np.testing.assert_allclose(run("xla_chunks", q, k, k_ctx), base, atol=1e-5)
+        for got, want in zip(loss("xla_chunks")(q, k, k_ctx), base_grads):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    monkeypatch.setattr(drafter_mod, "CHUNK_ANCHORS", 2)
+    shifted = run("xla_chunks", q, jnp.roll(k, blk, axis=1), k_ctx)
+    assert np.abs(np.asarray(shifted) - np.asarray(base)).max() > 1e-3
+    assert drafter_mod.block_attention_gap("xla_chunks", seq=64, dtype=jnp.float32) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_chunks"])
+def test_training_block_logits_are_the_same_on_the_masked_route(random_pair, impl, monkeypatch):
     """Packed rows (two sequences a row, a dummy anchor) through the whole training forward: the
-    masked block attention gives the split one's logits."""
+    masked block attention (whole, or in chunks of 2 anchors) gives the split one's logits."""
+    import jspec.train.drafter as drafter_mod
+    monkeypatch.setattr(drafter_mod, "CHUNK_ANCHORS", 2)
     target, drafter, block_logits, _ = random_pair
-    masked = jitted(functools.partial(training_block_logits, block_attn_impl="xla"), target, drafter)
+    masked = jitted(functools.partial(training_block_logits, block_attn_impl=impl), target, drafter)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 60, n).tolist() for n in (4, 0, 3, 5)]
     replies = [rng.integers(2, 60, n).tolist() for n in (9, 6, 10, 8)]
@@ -626,10 +668,12 @@ def test_training_block_logits_are_the_same_on_the_masked_route(random_pair):
 
 
 @pytest.mark.gpu
-def test_cudnn_block_attention_matches_split():
-    """The drafter's block attention fused on cuDNN against the split einsums (bf16)."""
+@pytest.mark.parametrize("impl", ["cudnn", "cudnn_chunks"])
+def test_cudnn_block_attention_matches_split(impl):
+    """The drafter's block attention fused on cuDNN (whole, or in chunks of anchors) against the
+    split einsums (bf16)."""
     from jspec.train.drafter import block_attention_gap
-    assert block_attention_gap("cudnn") < 3e-2
+    assert block_attention_gap(impl) < 3e-2
 
 
 def test_segment_attention_gap_sees_a_wrong_mask(monkeypatch):
