@@ -147,6 +147,14 @@ class EngineConfig:
     # Only while no request waits for a lane (or with one lane), and when the pool holds the
     # next two windows of every lane without preempting (Engine._may_look_ahead).
     lookahead: bool = True
+    # With lookahead, also look ahead while requests wait for a lane and after lanes end. The
+    # requests admitted into the lanes a read dispatch freed join the dispatch after the one
+    # already running: their prefills are launched behind it and their first tokens stay on the
+    # device, merged into the carried state (Engine._merged_state). A lane that ends then idles
+    # through one dispatch instead of being refilled at once; in exchange the device does not
+    # wait for the host's admission and launch between dispatches. The outputs are the same
+    # either way. Off: the behaviour every benchmark until 2026-12-06 measured.
+    lookahead_admission: bool = False
     # The drafter proposes only the N most frequent token ids (jspec/draft_vocab.py): its head
     # and sampling steps shrink; the output law is unchanged, acceptance may fall. None: every
     # id. Needs the ranking (Engine's draft_vocab_ids); a stock engine ignores it.
@@ -178,6 +186,8 @@ class EngineConfig:
             raise ValueError("invariant_prefill needs batch_invariant (without it every route is "
                              "XLA's)")
         check_rule(self.verify_rule, "verify_rule")
+        if self.lookahead_admission and not self.lookahead:
+            raise ValueError("lookahead_admission needs lookahead")
         if not 0.0 <= self.verify_threshold < 1.0:
             raise ValueError(f"verify_threshold must be in [0, 1) (0: verify every draft), got "
                              f"{self.verify_threshold}")
@@ -301,6 +311,10 @@ class Engine:
         # an uncommitted argument are two jit signatures (a recompilation).
         self._device = next(iter(jax.tree.leaves(self.caches)[0].devices()))
         self.carry_state = True  # False: send the whole state every dispatch (the reference)
+        # lookahead_admission: (request, first token on the device) of the requests admitted
+        # while a look-ahead dispatch ran, before (_joining) and after (_joined) they join one
+        self._joining: list[tuple[Request, tuple | None]] = []
+        self._joined: list[tuple[Request, tuple | None]] = []
         self.check_carry = False  # tests: compare a carried state with the host's every dispatch
 
     # ---- validation ---------------------------------------------------------------------------
@@ -348,6 +362,7 @@ class Engine:
         pending = None  # a launched dispatch whose tokens the host has not read yet
         while waiting or any(self.lanes):
             if pending is None:
+                self._emit_first_tokens("_joining", on_update)  # admitted ahead, joined none
                 self._admit(waiting, on_update)
                 if not any(self.lanes):
                     continue
@@ -357,6 +372,9 @@ class Engine:
             if self._may_look_ahead(pending, waiting):
                 ahead = self._launch(ahead=True)
             self._collect(pending, on_update)
+            self._emit_first_tokens("_joined", on_update)  # before the tokens of `ahead`
+            if ahead is not None and self.ecfg.lookahead_admission:
+                self._admit_ahead(waiting)
             pending = ahead
         if pending is not None:  # every lane ended inside it: it emits nothing
             self._collect(pending, on_update)
@@ -371,9 +389,12 @@ class Engine:
         preempting (the host's lengths trail the device's by one dispatch)."""
         if not (self.ecfg.lookahead and self.carry_state and any(self.lanes)):
             return False
-        if waiting and len(self.lanes) > 1:
-            return False
-        if self._lane_key(self.lanes) != pending.lane_key:
+        if not self.ecfg.lookahead_admission:
+            if waiting and len(self.lanes) > 1:
+                return False
+            if self._lane_key(self.lanes) != pending.lane_key:
+                return False
+        elif not self._mergeable(pending.lane_key):
             return False
         for req in self.lanes:
             if req is None:
@@ -393,18 +414,11 @@ class Engine:
         while waiting and None in self.lanes:
             t0, launched, blocked = time.perf_counter(), [], False
             while waiting and None in self.lanes:
-                req = waiting[0]
-                context = len(req.context_ids)
-                need = self.cache_shape.pages_for(max(context, self._window_end(req)))
-                pages = self.allocator.allocate(need)
-                if pages is None:
+                seated = self._seat(waiting)
+                if seated is None:
                     blocked = True  # wait for pages: running lanes finish or get preempted
                     break
-                waiting.popleft()
-                req.lane, req.pages = self.lanes.index(None), pages
-                req.admitted_at = next(self._admissions)
-                self.lanes[req.lane] = req
-                launched.append((req, self._launch_prefill(req)))
+                launched.append(seated)
             for req, first in launched:  # in admission order, as one request at a time did
                 self._emit_first(req, first)
             self.stats["time_prefill_s"] += time.perf_counter() - t0
@@ -415,6 +429,54 @@ class Engine:
                     self._retire(req)
             if blocked:
                 return
+
+    def _seat(self, waiting: collections.deque) -> tuple | None:
+        """The first waiting request in a free lane with the pages of its prompt and first
+        window, its prefill launched, not waited for: (request, its first token's device arrays
+        or None); None, and nothing taken, when the pool is short."""
+        req = waiting[0]
+        need = self.cache_shape.pages_for(max(len(req.context_ids), self._window_end(req)))
+        pages = self.allocator.allocate(need)
+        if pages is None:
+            return None
+        waiting.popleft()
+        req.lane, req.pages = self.lanes.index(None), pages
+        req.admitted_at = next(self._admissions)
+        self.lanes[req.lane] = req
+        return req, self._launch_prefill(req)
+
+    def _admit_ahead(self, waiting: collections.deque) -> None:
+        """lookahead_admission: seats waiting requests in free lanes while a look-ahead dispatch
+        runs. Their prefills queue behind it on the device and their first tokens stay there:
+        they join the next look-ahead dispatch (_merged_state), or are read before the next
+        launch from the host's state if there is none."""
+        t0 = time.perf_counter()
+        while waiting and None in self.lanes:
+            seated = self._seat(waiting)
+            if seated is None:
+                break
+            self._joining.append(seated)
+            self.stats["admissions_ahead"] += 1
+        self.stats["time_prefill_s"] += time.perf_counter() - t0
+
+    def _emit_first_tokens(self, group: str, on_update) -> None:
+        """Reads and emits the first tokens of the requests in self.<group> (_joining or
+        _joined), retiring those that end there."""
+        seated, _ = getattr(self, group), setattr(self, group, [])
+        for req, first in seated:
+            self._emit_first(req, first)
+            if on_update:
+                on_update(req)
+            if req.finished:
+                self._retire(req)
+
+    def _mergeable(self, lane_key: tuple) -> bool:
+        """lookahead_admission: whether the next dispatch can start from the state of the one
+        with `lane_key`: every lane holds the same admission, or is empty now (its request ended
+        or was stopped: the merged state deactivates it), or was seated ahead (_joining)."""
+        joining = {req.lane for req, _ in self._joining}
+        return all(now == then or now == 0 or b in joining
+                   for b, (now, then) in enumerate(zip(self._lane_key(self.lanes), lane_key)))
 
     def _page_row(self, req: Request) -> np.ndarray:
         row = np.full(self.ecfg.pages_per_lane, NULL_PAGE, np.int32)
@@ -515,19 +577,44 @@ class Engine:
         """Which admission holds each lane (admitted_at is unique per admission, 0 = empty)."""
         return tuple(r.admitted_at if r else 0 for r in lanes)
 
-    def _host_state(self, lanes: Sequence[Request | None], page_table: np.ndarray) -> DecodeState:
-        """The dispatch's input state from the host's bookkeeping (numpy arrays)."""
+    def _host_state(self, lanes: Sequence[Request | None], page_table: np.ndarray,
+                    unread: Sequence[bool] | None = None) -> DecodeState:
+        """The dispatch's input state from the host's bookkeeping (numpy arrays). `unread[b]`:
+        lane b's first token is still on the device (_merged_state puts it in; here a 0), so its
+        whole prompt is in the cache and one token less remains."""
+        unread = unread or [False] * len(lanes)
+        remaining = [r.max_tokens - len(r.output_ids) - u if r else 0 for r, u in zip(lanes, unread)]
         return DecodeState(
             # The last emitted token is not in the cache yet: it is the step's input.
-            tokens=np.asarray([r.output_ids[-1] if r else 0 for r in lanes], np.int32),
-            lengths=np.asarray([len(r.context_ids) - 1 if r else 0 for r in lanes], np.int32),
+            tokens=np.asarray([r.output_ids[-1] if r and not u else 0
+                               for r, u in zip(lanes, unread)], np.int32),
+            lengths=np.asarray([len(r.context_ids) - 1 + u if r else 0
+                                for r, u in zip(lanes, unread)], np.int32),
             page_table=page_table,
-            active=np.asarray([r is not None for r in lanes]),
-            remaining=np.asarray([r.max_tokens - len(r.output_ids) if r else 0 for r in lanes],
-                                 np.int32),
+            active=np.asarray([r is not None and n > 0 for r, n in zip(lanes, remaining)]),
+            remaining=np.asarray(remaining, np.int32),
             stop_on_eos=np.asarray([r.stop_on_eos if r else True for r in lanes]),
             sampling=self._sampling(lanes),
         )
+
+    def _merged_state(self, lanes: Sequence[Request | None], page_table: np.ndarray) -> DecodeState:
+        """lookahead_admission: the carried state (the running dispatch's output, still on the
+        device) with the lanes seated ahead (_joining) put in from the host's bookkeeping and their
+        first tokens from their prefills, and the lanes now empty deactivated. A first token that
+        is EOS (for a request that stops there) leaves its lane inactive, as decode would."""
+        then, state, _ = self._carry
+        now = self._lane_key(lanes)
+        first = {req.lane: f for req, f in self._joining if f is not None}
+        take = np.asarray([n != t and n != 0 for n, t in zip(now, then)])
+        unread = [b in first for b in range(len(lanes))]
+        fresh = jax.device_put(self._host_state(lanes, page_table, unread), self._device)
+        zero = jax.device_put(np.zeros(1, np.int32), self._device)
+        first_b = jnp.concatenate([first[b][0].reshape(-1)[:1].astype(jnp.int32) if b in first
+                                   else zero for b in range(len(lanes))])
+        flags = jax.device_put((take, np.asarray([k == 0 for k in now]), np.asarray(unread),
+                                np.asarray(self.eos_ids or (-1,), np.int32)), self._device)
+        self.stats["state_merges"] += 1
+        return _merge_state(state, fresh, first_b, *flags)
 
     def _dispatch_state(self, lanes: Sequence[Request | None], ahead: bool = False):
         """The dispatch's input state on the device. When the same admissions hold the same lanes
@@ -543,6 +630,8 @@ class Engine:
                                np.zeros(self.ecfg.pages_per_lane, np.int32) for r in lanes])
         carry = self._carry
         if not self.carry_state or carry is None or carry[0] != self._lane_key(lanes):
+            if ahead and self.ecfg.lookahead_admission and carry is not None:
+                return self._merged_state(lanes, page_table), page_table
             assert not ahead, "a look-ahead dispatch must start from the carried state"
             self.stats["state_uploads"] += 1
             return jax.device_put(self._host_state(lanes, page_table), self._device), page_table
@@ -577,6 +666,8 @@ class Engine:
         t2 = time.perf_counter()
         key = self._lane_key(lanes)
         self._carry = (key, state_out, page_table)
+        if ahead and self._joining:  # they are in this dispatch now: read their first tokens next
+            self._joined, self._joining = self._joining, []
         self.stats["decode_dispatches"] += 1
         self.stats["lookahead_dispatches"] += int(ahead)
         self.stats["time_prepare_s"] += t1 - t0
@@ -609,6 +700,21 @@ class Engine:
                 self._retire(req)
         self.stats["time_wait_s"] += t1 - t0
         self.stats["time_emit_s"] += time.perf_counter() - t1
+
+
+@jax.jit
+def _merge_state(carried: DecodeState, fresh: DecodeState, first_b, take_b, empty_b, unread_b,
+                 eos_ids) -> DecodeState:
+    """Engine._merged_state on the device: lane b from `fresh` where take_b, else carried; the
+    page table from the host; tokens of the lanes with unread first tokens from first_b."""
+    def pick(c, f):
+        return jnp.where(take_b.reshape(take_b.shape + (1,) * (c.ndim - 1)), f, c)
+
+    merged = jax.tree.map(pick, carried, fresh)
+    first_eos = unread_b & fresh.stop_on_eos & jnp.isin(first_b, eos_ids)
+    return dataclasses.replace(merged, tokens=jnp.where(unread_b, first_b, merged.tokens),
+                               active=merged.active & ~empty_b & ~first_eos,
+                               page_table=fresh.page_table)
 
 
 @dataclasses.dataclass

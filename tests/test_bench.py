@@ -278,7 +278,7 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
                               "--sampling", "qwen", "--peer", "off",
                               "--num-draft-tokens", "solo=3, busy=5",
                               "--verify-threshold", "solo=0.2",
-                              "--draft-weight-dtype", "solo=int8"])
+                              "--draft-weight-dtype", "solo=int8", "--lookahead-admission"])
     assert args.func(args) == 0
     rec = json.loads((out / "bench.json").read_text())
     sampling = rec["config"]["sampling"]
@@ -298,6 +298,7 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
     assert key["verify_threshold"] == "solo=0.2" and solo["verify_threshold"] == 0.2
     assert key["verify_rule"] == "block" == solo["verify_rule"]  # the default
     assert "--verify-rule block" in solo["command"]
+    assert key["lookahead_admission"] and "--lookahead-admission" in solo["command"]
     assert 0.0 <= solo["drafts_per_step"] <= 3.0
     assert "drafts / step" in (out / "bench.md").read_text()
 

@@ -309,12 +309,15 @@ def test_device_loop_stops_once_every_lane_has_ended():
     assert steps_run([True, True], early_exit=False) == 16
 
 
-def _lookahead_run(model, lookahead, device_loop, eos, **kw):
+def _lookahead_run(model, lookahead, device_loop, eos, specs=((7, 40), (12, 30), (20, 33)),
+                   **kw):
     """Sampled replies through the engine, one of them ended by a host-side stop (as the API's
     stop strings do) and some by EOS inside a dispatch."""
-    eng = Engine(CFG, model, eos_ids=(eos,), engine_cfg=EngineConfig(**{
-        **dict(max_lanes=3, page_size=8, max_context=128, prefill_chunk=16, decode_steps=5,
-               attn_impl="xla"), **kw, "lookahead": lookahead, "device_loop": device_loop}))
+    eng = Engine(CFG, model, eos_ids=eos if isinstance(eos, tuple) else (eos,),
+                 engine_cfg=EngineConfig(**{
+                     **dict(max_lanes=3, page_size=8, max_context=128, prefill_chunk=16,
+                            decode_steps=5, attn_impl="xla"),
+                     **kw, "lookahead": lookahead, "device_loop": device_loop}))
     eng.check_carry = True
 
     def on_update(req):  # a stop checker: request 1 stops after 11 tokens
@@ -323,7 +326,7 @@ def _lookahead_run(model, lookahead, device_loop, eos, **kw):
             req.logprobs = req.logprobs[:11]
             req.finish_reason = "stop"
 
-    reqs = eng.generate(_requests([(7, 40), (12, 30), (20, 33)], temperature=1.0), on_update)
+    reqs = eng.generate(_requests(list(specs), temperature=1.0), on_update)
     return [(r.output_ids, r.logprobs, r.finish_reason) for r in reqs], eng
 
 
@@ -347,6 +350,35 @@ def test_lookahead_and_device_loop_change_when_not_what(model, lanes, num_pages)
             np.testing.assert_allclose(lp, lp_ref, atol=1e-6)
         assert (eng.stats["lookahead_dispatches"] > 0) == lookahead
         assert eng.allocator.num_free == eng.allocator.num_pages - 1  # every page came back
+
+
+@pytest.mark.parametrize("lanes,num_pages", [(3, None), (2, 14)])
+def test_lookahead_admission_changes_when_not_what(model, lanes, num_pages):
+    """lookahead_admission (requests seated while a look-ahead dispatch runs, their first tokens
+    merged into the carried state on the device) gives the same tokens, log-probs and finish
+    reasons as the engine that reads every dispatch before the next: eight requests for two or
+    three lanes, EOS inside a dispatch and as a first token, a host-side stop, a one-token
+    request, and a pool too small to look ahead every time."""
+    specs = [(7, 40), (12, 30), (20, 33), (5, 1), (9, 25), (14, 18), (3, 22), (11, 9)]
+    probe, _ = _lookahead_run(model, False, False, eos=-1, specs=specs, max_lanes=1)
+    # request 0 samples the first mid-reply (it ends there), request 5 the second first
+    eos = (probe[0][0][8], probe[5][0][0])
+    kw = dict(max_lanes=lanes, num_pages=num_pages, specs=specs)
+    ref, _ = _lookahead_run(model, False, False, eos, **kw)
+    assert {f for _, _, f in ref} == {"eos", "stop", "length"}
+    assert len(ref[5][0]) == 1 and ref[5][2] == "eos"
+    got, eng = _lookahead_run(model, True, True, eos, lookahead_admission=True, **kw)
+    assert [(t, f) for t, _, f in got] == [(t, f) for t, _, f in ref]
+    for (_, lp, _), (_, lp_ref, _) in zip(got, ref):
+        np.testing.assert_allclose(lp, lp_ref, atol=1e-6)
+    assert eng.stats["admissions_ahead"] > 0 and eng.stats["state_merges"] > 0
+    assert eng.allocator.num_free == eng.allocator.num_pages - 1  # every page came back
+    assert not eng._joining and not eng._joined
+
+
+def test_lookahead_admission_needs_lookahead():
+    with pytest.raises(ValueError, match="lookahead_admission needs lookahead"):
+        EngineConfig(lookahead=False, lookahead_admission=True)
 
 
 def test_prefill_buckets_sizes_outputs_and_no_recompilation(model, monkeypatch):

@@ -285,6 +285,30 @@ def test_spec_lookahead_and_device_loop_change_when_not_what(target, random_draf
     assert ref_stats["lookahead_dispatches"] == 0 < stats["lookahead_dispatches"]
 
 
+@pytest.mark.parametrize("lanes", [3, 2])
+def test_spec_lookahead_admission_changes_when_not_what(target, random_drafter, lanes):
+    """The speculative engine with lookahead_admission (requests seated while a look-ahead
+    dispatch runs, their first tokens merged into the carried state on the device) gives the same
+    tokens, finish reasons and tokens per verify step as the engine that reads every dispatch
+    first: six requests for two or three lanes, EOS inside a dispatch and as a first token."""
+    specs = [(40, 40), (9, 45), (35, 30), (12, 20), (20, 35), (7, 25)]
+
+    def run(eos, **kw):
+        eng = Engine(CFG, target, eos, EngineConfig(**{
+            **ECFG.__dict__, "max_lanes": lanes, **kw}), drafter=random_drafter, draft_cfg=DCFG)
+        eng.check_carry = True
+        reqs = eng.generate(_requests(specs, temperature=0.8))
+        return [(r.output_ids, r.finish_reason, r.step_tokens) for r in reqs], eng.stats
+
+    probe, _ = run((CFG.vocab_size - 1,), max_lanes=1)
+    eos = (probe[0][0][5], probe[4][0][0])  # mid-reply for request 0, the first token of 4
+    ref, _ = run(eos, lookahead=False, device_loop=False)
+    assert {f for _, f, _ in ref} == {"eos", "length"} and ref[4][:2] == ([eos[1]], "eos")
+    got, stats = run(eos, lookahead=True, lookahead_admission=True)
+    assert got == ref
+    assert stats["admissions_ahead"] > 0 and stats["state_merges"] > 0
+
+
 def test_verify_rule_is_checked():
     with pytest.raises(ValueError, match="verify_rule must be one of"):
         EngineConfig(verify_rule="blockwise")

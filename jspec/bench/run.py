@@ -129,6 +129,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, metavar="N", help="the drafter proposes only the N "
                    "most frequent token ids, ranked in DRAFT/draft_vocab.json (jspec/draft_vocab.py;"
                    " acceptance may change, the output distribution does not)")
+    p.add_argument("--lookahead-admission", action="store_true",
+                   help="both engines also look ahead while requests wait: requests seated in "
+                   "freed lanes join the dispatch after the running one, their first tokens "
+                   "merged on the device (EngineConfig.lookahead_admission; the same outputs)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="target dtype (default: the checkpoint's)")
     p.add_argument("--fresh", action="store_true", help="delete earlier parts in --out first")
@@ -174,6 +178,8 @@ def command_line(args) -> str:
         words += ["--draft-weight-dtype", args.draft_weight_dtype]
     if getattr(args, "draft_vocab", None):
         words += ["--draft-vocab", str(args.draft_vocab)]
+    if getattr(args, "lookahead_admission", False):
+        words.append("--lookahead-admission")
     return " ".join(shlex.quote(w) for w in words)
 
 
@@ -373,7 +379,8 @@ class Bench:
                     "draft_kv_dtype": args.draft_kv_dtype,
                     "draft_weight_dtype": canonical_per_workload(
                         getattr(args, "draft_weight_dtype", None)),
-                    "draft_vocab": getattr(args, "draft_vocab", None)}
+                    "draft_vocab": getattr(args, "draft_vocab", None),
+                    "lookahead_admission": getattr(args, "lookahead_admission", False)}
         self.git = {"commit": commit, "dirty": dirty}
         self.env = None
         for src in getattr(args, "merge_parts", None) or []:
@@ -527,7 +534,8 @@ class Bench:
                     batch_invariant=a.batch_invariant,
                     invariant_prefill=getattr(a, "invariant_prefill", False),
                     draft_kv_dtype=a.draft_kv_dtype,  # the stock engine ignores both
-                    draft_vocab=getattr(a, "draft_vocab", None))
+                    draft_vocab=getattr(a, "draft_vocab", None),
+                    lookahead_admission=getattr(a, "lookahead_admission", False))
         return (EngineConfig(decode_steps=a.stock_decode_steps, **base),
                 EngineConfig(decode_steps=a.spec_decode_steps,
                              verify_threshold=self.verify_threshold[spec.name],
