@@ -385,8 +385,10 @@ class Engine:
         starts from the state `pending` leaves on the device, so the lanes must be the ones
         `pending` ran. A lane that ends inside `pending` idles through the next one: so only
         while no request waits for a lane, or with a single lane (the device loop then stops
-        at once). And only when the pool holds every lane's next two windows without
-        preempting (the host's lengths trail the device's by one dispatch)."""
+        at once). With lookahead_admission requests may wait, and a lane may also have emptied
+        or been seated ahead since `pending` (_mergeable; _merged_state puts them in). And only
+        when the pool holds every lane's next two windows without preempting (the host's lengths
+        trail the device's by one dispatch)."""
         if not (self.ecfg.lookahead and self.carry_state and any(self.lanes)):
             return False
         if not self.ecfg.lookahead_admission:
