@@ -68,7 +68,8 @@ class LLM:
                  batch_invariant: bool = False, draft_kv_dtype: str | None = None,
                  draft_weight_dtype: str | None = None,
                  draft_vocab: int | None = None, verify_threshold: float = 0.0,
-                 verify_rule: str = "block", progress: bool = False):
+                 verify_rule: str = "block", lookahead_admission: bool = False,
+                 progress: bool = False):
         """`draft`: a DSpark / DFlash drafter directory for `model`; speculative decoding then
         proposes `num_draft_tokens` (default: the drafter's block size) tokens per step.
         `batch_invariant` (GPU): the target's matmuls and attention through batch-invariant
@@ -85,7 +86,10 @@ class LLM:
         the default, verifies every draft; needs a drafter with a confidence head).
         `verify_rule`: "block" (block verification, the default: the accept length decided from
         the whole block, never fewer accepted drafts in expectation) or "token" (draft by
-        draft); both keep the target's distribution exactly (jspec/rejection.py)."""
+        draft); both keep the target's distribution exactly (jspec/rejection.py).
+        `lookahead_admission`: while requests wait for a lane, launch the next dispatch before
+        reading the last and seat the waiting requests behind it (EngineConfig.
+        lookahead_admission; the same outputs, the host's work overlapping the device's)."""
         from jspec.loading import load_drafter, load_model
         from jspec.tokenizer import Tokenizer
 
@@ -123,7 +127,8 @@ class LLM:
             prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl,
             batch_invariant=batch_invariant, draft_kv_dtype=draft_kv_dtype,
             draft_weight_dtype=draft_weight_dtype, draft_vocab=draft_vocab,
-            verify_threshold=verify_threshold, verify_rule=verify_rule),
+            verify_threshold=verify_threshold, verify_rule=verify_rule,
+            lookahead_admission=lookahead_admission),
             drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens,
             draft_vocab_ids=ranked)
         self._seeds = np.random.default_rng()

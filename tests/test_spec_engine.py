@@ -309,6 +309,24 @@ def test_spec_lookahead_admission_changes_when_not_what(target, random_drafter, 
     assert stats["admissions_ahead"] > 0 and stats["state_merges"] > 0
 
 
+def test_api_lookahead_admission_gives_the_same_replies(tiny_pair_dirs):
+    """LLM(lookahead_admission=True): five seeded prompts through two speculative lanes give the
+    replies of the default engine."""
+    from jspec.api import LLM, SamplingParams
+    target_dir, draft_dir = tiny_pair_dirs
+    prompts = ["def f(x):", "class A:", "import os", "x = [", "for i in"]
+    params = [SamplingParams(temperature=1.0, max_tokens=10 + 3 * i, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def replies(**kw):
+        llm = LLM(target_dir, draft=draft_dir, max_lanes=2, max_context=128, attn_impl="xla", **kw)
+        return [r.token_ids for r in llm.generate(prompts, params)], llm.engine.stats
+
+    ref, _ = replies()
+    got, stats = replies(lookahead_admission=True)
+    assert got == ref and stats["admissions_ahead"] > 0
+
+
 def test_verify_rule_is_checked():
     with pytest.raises(ValueError, match="verify_rule must be one of"):
         EngineConfig(verify_rule="blockwise")
