@@ -315,6 +315,11 @@ class Engine:
         # while a look-ahead dispatch ran, before (_joining) and after (_joined) they join one
         self._joining: list[tuple[Request, tuple | None]] = []
         self._joined: list[tuple[Request, tuple | None]] = []
+        # _merge_state's constant operands, on the device once: a lane's "no first token" and
+        # the EOS ids (-1 where there are none: no token matches it)
+        self._no_token = jax.device_put(np.zeros(1, np.int32), self._device)
+        self._eos_ids_dev = jax.device_put(np.asarray(self.eos_ids or (-1,), np.int32),
+                                           self._device)
         self.check_carry = False  # tests: compare a carried state with the host's every dispatch
 
     # ---- validation ---------------------------------------------------------------------------
@@ -362,7 +367,8 @@ class Engine:
         pending = None  # a launched dispatch whose tokens the host has not read yet
         while waiting or any(self.lanes):
             if pending is None:
-                self._emit_first_tokens("_joining", on_update)  # admitted ahead, joined none
+                seated, self._joining = self._joining, []  # admitted ahead, joined none
+                self._emit_first_tokens(seated, on_update)
                 self._admit(waiting, on_update)
                 if not any(self.lanes):
                     continue
@@ -372,7 +378,8 @@ class Engine:
             if self._may_look_ahead(pending, waiting):
                 ahead = self._launch(ahead=True)
             self._collect(pending, on_update)
-            self._emit_first_tokens("_joined", on_update)  # before the tokens of `ahead`
+            seated, self._joined = self._joined, []
+            self._emit_first_tokens(seated, on_update)  # before the tokens of `ahead`
             if ahead is not None and self.ecfg.lookahead_admission:
                 self._admit_ahead(waiting)
             pending = ahead
@@ -461,10 +468,9 @@ class Engine:
             self.stats["admissions_ahead"] += 1
         self.stats["time_prefill_s"] += time.perf_counter() - t0
 
-    def _emit_first_tokens(self, group: str, on_update) -> None:
-        """Reads and emits the first tokens of the requests in self.<group> (_joining or
-        _joined), retiring those that end there."""
-        seated, _ = getattr(self, group), setattr(self, group, [])
+    def _emit_first_tokens(self, seated: list, on_update) -> None:
+        """Reads and emits the first tokens of requests seated ahead ((request, first) pairs),
+        retiring those that end there."""
         for req, first in seated:
             self._emit_first(req, first)
             if on_update:
@@ -610,13 +616,12 @@ class Engine:
         take = np.asarray([n != t and n != 0 for n, t in zip(now, then)])
         unread = [b in first for b in range(len(lanes))]
         fresh = jax.device_put(self._host_state(lanes, page_table, unread), self._device)
-        zero = jax.device_put(np.zeros(1, np.int32), self._device)
-        first_b = jnp.concatenate([first[b][0].reshape(-1)[:1].astype(jnp.int32) if b in first
-                                   else zero for b in range(len(lanes))])
-        flags = jax.device_put((take, np.asarray([k == 0 for k in now]), np.asarray(unread),
-                                np.asarray(self.eos_ids or (-1,), np.int32)), self._device)
+        # one [1] array a lane (a fixed structure: one compilation), concatenated in the jit
+        firsts = tuple(first[b][0] if b in first else self._no_token for b in range(len(lanes)))
+        flags = jax.device_put((take, np.asarray([k == 0 for k in now]), np.asarray(unread)),
+                               self._device)
         self.stats["state_merges"] += 1
-        return _merge_state(state, fresh, first_b, *flags)
+        return _merge_state(state, fresh, firsts, *flags, self._eos_ids_dev)
 
     def _dispatch_state(self, lanes: Sequence[Request | None], ahead: bool = False):
         """The dispatch's input state on the device. When the same admissions hold the same lanes
@@ -705,10 +710,12 @@ class Engine:
 
 
 @jax.jit
-def _merge_state(carried: DecodeState, fresh: DecodeState, first_b, take_b, empty_b, unread_b,
-                 eos_ids) -> DecodeState:
+def _merge_state(carried: DecodeState, fresh: DecodeState, firsts: tuple, take_b, empty_b,
+                 unread_b, eos_ids) -> DecodeState:
     """Engine._merged_state on the device: lane b from `fresh` where take_b, else carried; the
-    page table from the host; tokens of the lanes with unread first tokens from first_b."""
+    page table from the host; tokens of the lanes with unread first tokens from firsts[b]."""
+    first_b = jnp.concatenate(firsts).astype(carried.tokens.dtype)
+
     def pick(c, f):
         return jnp.where(take_b.reshape(take_b.shape + (1,) * (c.ndim - 1)), f, c)
 
