@@ -71,16 +71,17 @@ COMMON=(--corpus "$STDLIB" --corpus "$SITE" --max-corpus-bytes 300000000 --out "
         --draft-minutes ${DRAFT_MINUTES:-4.5}
         --compute-dtype bfloat16 --export-dtype float32 --attn cudnn --no-remat --ckpt-every 1000
         --log-every 20 --quiet --row-chunk ${ROW_CHUNK:-2048})
-# LOSS_REMAT=0: keep the drafter loss chunks' residuals for the backward instead of recomputing
-# them (the same step; more memory, less compute; scripts/profile_drafter_train.py times both)
-[ "${LOSS_REMAT:-1}" = 0 ] && COMMON+=(--no-loss-remat)
-# BLOCK_ATTN (cudnn): the drafter's block attention as one fused cuDNN attention under a mask
-# (train_standin checks it against the split einsums first and falls back to them); split: the
-# einsums. On the H200 (2026-12-03, 4 x 4096 rows, 1,024 anchors, synthetic packed rows,
-# scripts/profile_drafter_train.py) a step took 72.7 ms fused against 94.7 ms split (1.30x).
-# cudnn_chunks: the same attention per chunk of 128 anchors, each seeing only its own blocks' keys
-# (about 2.3x fewer scores at 1,024 anchors; not yet timed on the GPU: docs/benchmarks.md).
-COMMON+=(--block-attn "${BLOCK_ATTN:-cudnn}")
+# LOSS_REMAT (0): 0 keeps the drafter loss chunks' residuals for the backward; 1 recomputes them
+# (less memory, more compute). BLOCK_ATTN (cudnn_chunks): the drafter's block attention on cuDNN
+# per chunk of 128 anchors, each chunk seeing the context and only its own blocks' keys (about
+# 2.3x fewer scores at 1,024 anchors than cudnn); cudnn: one fused cuDNN attention over every
+# block key under a mask; split: the einsums. train_standin checks a cuDNN route against split
+# on the GPU first and falls back where it differs. On the H100 (2026-12-06, 4 x 4096 rows, 1,024
+# anchors, half the rows joined, synthetic data, scripts/profile_drafter_train.py) a step took
+# 81.0 ms with cudnn, 65.0 with cudnn_chunks and 62.8 with cudnn_chunks and LOSS_REMAT=0 (1.29x
+# the steps per second); the H200 took 72.7 ms with cudnn against 94.7 with split (2026-12-03).
+[ "${LOSS_REMAT:-0}" = 0 ] && COMMON+=(--no-loss-remat)
+COMMON+=(--block-attn "${BLOCK_ATTN:-cudnn_chunks}")
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 left() { echo $((START + LIMIT - $(date +%s))); }
 # SAVE_STATE=1: the prompts and replies come back as one archive cut into parts of 15 MB,
