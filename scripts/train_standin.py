@@ -128,6 +128,10 @@ def parse_args(argv=None):
                    help="stop after pre-training S and writing data/prompts{,_eval}.jsonl (to answer "
                         "with the engine, then rerun with --replies / --eval-replies)")
     g.add_argument("--prompts", type=int, default=2048)
+    g.add_argument("--described-tasks", type=float, default=0.25,
+                   help="share of the training prompts that ask for a function in words (a corpus "
+                        "docstring's summary: 'Write a function to return ...'; qwen3 tokenizer only); "
+                        "half are code tasks (signature + docstring), the rest corpus windows")
     g.add_argument("--eval-prompts", type=int, default=64)
     g.add_argument("--prompt-min", type=int, default=64)
     g.add_argument("--prompt-max", type=int, default=1024)
@@ -306,6 +310,23 @@ def chat_tasks(texts, tok, limit: int, seed: int, with_answers: bool) -> list[st
                            INSTRUCTIONS[int(rng.integers(len(INSTRUCTIONS)))]) for i in order]
 
 
+def described_tasks(texts, tok, limit: int, seed: int) -> list[str]:
+    """Up to `limit` chat prompts asking in words for a function the files document (its
+    docstring's summary, jspec.train.data.function_descriptions), distinct, in a seeded random
+    order, each under a template of its verb's form."""
+    import numpy as np
+    from jspec.train.data import DESCRIPTION_TEMPLATES, described_task_text, function_descriptions
+    rng = np.random.default_rng(seed)
+    found = sorted({d for text in texts for d in function_descriptions(text)})
+    order = rng.permutation(len(found))[:limit]
+    prompts = []
+    for i in order:
+        task, form = found[i]
+        templates = DESCRIPTION_TEMPLATES[form]
+        prompts.append(described_task_text(tok, task, templates[int(rng.integers(len(templates)))]))
+    return prompts
+
+
 def stage_target(args, out: Path, target_cfg, train_docs, held_docs, tok_dir, eos_ids, vocab):
     """Pre-train S (resuming from checkpoints) and export it; returns (model, held-out loss).
     With a compact vocabulary the documents are already rows and the loss carries the rows'
@@ -410,10 +431,14 @@ def cudnn_block_attention_works(impl: str = "cudnn") -> bool:
 
 
 def stage_prompts(args, out: Path, tok, train_texts, held_texts, train_docs, held_docs):
-    """Training prompts (half chat-form function tasks of training files, half windows of
-    training documents) and held-out prompts (chat tasks of held-out files, else windows of
-    held-out documents), as ids of the tokenizer, written once."""
+    """Training prompts (half chat-form function tasks of training files, --described-tasks of
+    them functions asked for in words, the rest windows of training documents) and held-out
+    prompts (chat tasks of held-out files, else windows of held-out documents), as ids of the
+    tokenizer, written once."""
     from jspec.train.data import make_prompts
+    if not 0 <= args.described_tasks <= 0.5:
+        raise SystemExit(f"--described-tasks {args.described_tasks}: a share in [0, 0.5] (half the "
+                         "training prompts are code tasks)")
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     sets = {}
@@ -427,6 +452,8 @@ def stage_prompts(args, out: Path, tok, train_texts, held_texts, train_docs, hel
         prompts = []
         if args.tokenizer == "qwen3":
             chats = chat_tasks(texts, tok, n // 2 if name == "prompts" else n, seed + 7 + len(name), False)
+            if name == "prompts" and args.described_tasks:  # (the held-out set stays as it was)
+                chats += described_tasks(texts, tok, round(args.described_tasks * n), seed + 11)
             prompts = [ids for ids in tok.encode_batch(chats) if len(ids) <= args.prompt_max]
         try:
             prompts += make_prompts(docs, n - len(prompts), args.prompt_min, args.prompt_max, seed + len(name))

@@ -175,6 +175,27 @@ def test_prompt_seed_draws_other_training_prompts_on_the_same_held_out_set(train
     assert len(read(run, "prompts").splitlines()) == len(read(out, "prompts").splitlines())
 
 
+def test_a_quarter_of_the_training_prompts_ask_for_a_function_in_words(trained):
+    """--described-tasks (0.25): of the 6 training prompts, 2 ask for a function in one sentence
+    made from a corpus docstring, up to 3 are code tasks, the rest corpus windows; the held-out
+    prompts have none."""
+    from jspec.tokenizer import Tokenizer
+    from jspec.train.data import DESCRIPTION_TEMPLATES
+    out, _, _ = trained
+    tok = Tokenizer.qwen3()
+    openers = tuple(t.split("{task}")[0] for ts in DESCRIPTION_TEMPLATES.values() for t in ts)
+    user_turns = lambda n: [tok.decode(json.loads(line)["prompt_ids"], skip_special_tokens=False)  # noqa: E731
+                            for line in (out / "data" / f"{n}.jsonl").read_text().splitlines()]
+    train = user_turns("prompts")
+    described = [t for t in train if t.startswith("<|im_start|>user\n")
+                 and t.split("\n", 1)[1].startswith(openers)]
+    assert len(train) == 6 and len(described) == 2, train
+    assert all("```" not in t for t in described)
+    # code tasks longer than --prompt-max are dropped and windows take their place
+    assert 1 <= sum("```python" in t for t in train) <= 3
+    assert not any(t.split("\n", 1)[-1].startswith(openers) for t in user_turns("prompts_eval"))
+
+
 def test_the_ce_ablation_trains_dspark_on_cross_entropy_alone(trained):
     """--only-drafter dspark_ce: DSpark's architecture (Markov head, confidence head) on the CE-only
     objective, beside the others in the same run directory."""

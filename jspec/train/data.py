@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -291,3 +292,61 @@ def chat_task_text(tokenizer, prompt_code: str, answer_code: str | None, instruc
     if answer_code is None:
         return text
     return text + f"```python\n{answer_code}\n```<|im_end|>\n"
+
+
+# ---- described tasks: a function asked for in words, with no code in the prompt -----------------
+# Users (and the MBPP prompts) often ask for a function in one sentence. The corpus documents its
+# functions in exactly such sentences: a docstring's summary line ("Return the sum of ...") turns
+# into "Write a function to return the sum of ...". These prompts give the drafter S's replies to
+# that kind of request, which the code tasks above never show it.
+
+DESCRIPTION_TEMPLATES = {
+    # the summary opens with an imperative verb: "Return the ...", "Convert ..."
+    "imperative": ("Write a function to {task}.", "Write a Python function to {task}.",
+                   "Implement a function to {task}.", "Write a python function to {task}."),
+    # or with a third-person one: "Returns the ...", "Converts ..."
+    "third_person": ("Write a function that {task}.", "Write a Python function which {task}.",
+                     "Create a function that {task}.", "Write a function which {task}."),
+}
+# first words that open a noun phrase or a remark, not an action: such summaries are skipped
+_NOT_A_VERB = frozenset(
+    "a an the this these that those it its if for in on of to with when where while as is are was "
+    "used internal helper private deprecated todo note see alias same like called wrapper default "
+    "utility convenience hook override overridden subclasses obsolete legacy fixme xxx "
+    "example examples".split())
+
+
+def docstring_summary(head: str, min_chars: int = 16, max_chars: int = 200) -> tuple[str, str] | None:
+    """(task, form) from a function's signature + docstring (function_tasks' prompt head): the
+    docstring's first sentence with its first word lowered, and "imperative" or "third_person"
+    for the verb it opens with; None when the summary is no usable task (too short or long, code
+    or doctest text, not opening with a verb by the heuristic above)."""
+    quote = '"""' if '"""' in head else "'''"
+    if head.count(quote) < 2:
+        return None
+    doc = head.split(quote, 1)[1].rsplit(quote, 1)[0]
+    first = " ".join(doc.strip().split("\n\n")[0].split())  # the first paragraph, one line
+    cut = re.search(r"[.!?](\s|$)", first)
+    sentence = (first[:cut.start()] if cut else first).strip().rstrip(":;,")
+    if not min_chars <= len(sentence) <= max_chars or any(c in sentence for c in "`>{}[]=|\\"):
+        return None
+    word, _, rest = sentence.partition(" ")
+    if not rest or not word.isalpha() or not word[0].isupper() or word.lower() in _NOT_A_VERB:
+        return None
+    if word[1:] and not word[1:].islower():
+        return None  # an acronym or a CamelCase name, not a verb
+    word = word.lower()
+    form = "third_person" if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else "imperative"
+    return f"{word} {rest}", form
+
+
+def function_descriptions(text: str) -> list[tuple[str, str]]:
+    """(task, form) for every documented function of one source file whose docstring summary
+    reads as a task (docstring_summary)."""
+    found = (docstring_summary(head) for head, _ in function_tasks(text))
+    return [d for d in found if d is not None]
+
+
+def described_task_text(tokenizer, task: str, template: str) -> str:
+    """The Qwen3 chat (non-thinking) text of a user turn asking for a function in words."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": template.format(task=task)}])
