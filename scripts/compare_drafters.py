@@ -10,7 +10,9 @@ scripts/standin_acceptance.py writes, needs the name). Each setting (t1, greedy,
 have it) needs `per_request` tokens and verify steps in prompt order, written since 2026-12-02's
 third session. tau = sum(tokens) / sum(steps) over the prompts, as the records' own
 tokens_per_step; the interval resamples prompts, the same indices for both drafters (the prompts
-and seeds are the same, so the pair is the prompt)."""
+and seeds are the same, so the pair is the prompt). Where the records say which prompts came from
+which set (`sets`, {name: count} in prompt order, written since 2026-12-06's fourth session; or
+--sets for older records), each set gets its own ratio too (t1_humaneval, t1_mbpp, ...)."""
 
 from __future__ import annotations
 
@@ -53,10 +55,21 @@ def _drafter(rec: dict, name: str | None = None) -> str:
     return names.pop()
 
 
+def _sets(rec_a: dict, rec_b: dict, given: dict | None) -> dict:
+    """{set name: count} in prompt order, the same in both records (or given), else {}."""
+    if given:
+        return given
+    sa, sb = rec_a.get("sets"), rec_b.get("sets")
+    if sa and sb and list(sa.items()) != list(sb.items()):
+        raise SystemExit(f"the records' prompt sets differ ({sa} against {sb}): not the same prompts")
+    return dict(sa or {}) if sb else {}
+
+
 def compare(rec_a: dict, rec_b: dict, name_a: str | None = None,
-            name_b: str | None = None) -> dict:
+            name_b: str | None = None, sets: dict | None = None) -> dict:
     a, b = _drafter(rec_a, name_a), _drafter(rec_b, name_b)
     out = {"a": a, "b": b}
+    sets = _sets(rec_a, rec_b, sets)
     for label in ("t1", "greedy", "t1_long"):
         key, sub = (label, None) if label != "t1_long" else ("t1", "long")
         ea, eb = rec_a.get(f"{a}_{key}"), rec_b.get(f"{b}_{key}")
@@ -69,7 +82,29 @@ def compare(rec_a: dict, rec_b: dict, name_a: str | None = None,
                              "2026-12-02's third session); no interval can be computed")
         pa, pb = ea["per_request"], eb["per_request"]
         out[label] = paired_tau_ratio(pa["tokens"], pa["steps"], pb["tokens"], pb["steps"])
+        if sub or not sets:
+            continue
+        if sum(sets.values()) != len(pa["tokens"]):
+            raise SystemExit(f"{label}: the sets {sets} count {sum(sets.values())} prompts, the "
+                             f"records {len(pa['tokens'])}")
+        start = 0
+        for name, count in sets.items():
+            part = slice(start, start + count)
+            start += count
+            out[f"{label}_{name}"] = paired_tau_ratio(pa["tokens"][part], pa["steps"][part],
+                                                      pb["tokens"][part], pb["steps"][part])
     return out
+
+
+def parse_sets(text: str) -> dict:
+    """'humaneval=100,mbpp=100' -> {'humaneval': 100, 'mbpp': 100}."""
+    try:
+        sets = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"--sets {text!r}: expected NAME=COUNT[,NAME=COUNT...]") from None
+    if not sets or any(n <= 0 for n in sets.values()):
+        raise SystemExit(f"--sets {text!r}: every count must be positive")
+    return sets
 
 
 def main(argv=None) -> None:
@@ -78,11 +113,14 @@ def main(argv=None) -> None:
     ap.add_argument("b", type=Path, help="engine eval of the drafter below it")
     ap.add_argument("--a-name", help="the drafter in A (when A holds several)")
     ap.add_argument("--b-name", help="the drafter in B (when B holds several)")
+    ap.add_argument("--sets", type=parse_sets,
+                    help="NAME=COUNT,... the prompt sets in order, for records written before they "
+                         "said so (train_standin's eval: humaneval=N,mbpp=N at --eval-limit N)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     res = compare(json.loads(args.a.read_text()), json.loads(args.b.read_text()),
-                  args.a_name, args.b_name)
-    for label in ("t1", "greedy", "t1_long"):
+                  args.a_name, args.b_name, args.sets)
+    for label in [k for k in res if k not in ("a", "b")]:
         if label in res:
             r = res[label]
             print(f"{label}: {res['a']} {r['tau_a']:.3f} / {res['b']} {r['tau_b']:.3f} = "

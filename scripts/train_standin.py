@@ -636,8 +636,9 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
     from jspec.prompts import load_prompts
     from jspec.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(full_target)
-    texts = [r.first_turn for s in ("humaneval", "mbpp")
-             for r in load_prompts(Path(args.eval_prompts_dir) / f"{s}.jsonl", limit=args.eval_limit or None)]
+    sets = {s: load_prompts(Path(args.eval_prompts_dir) / f"{s}.jsonl", limit=args.eval_limit or None)
+            for s in ("humaneval", "mbpp")}
+    texts = [r.first_turn for records in sets.values() for r in records]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     long_prompts = []
     if args.eval_long_tokens:  # busy-like: consecutive first turns joined into one prompt
@@ -647,7 +648,9 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
     kw = dict(dtype="float32", max_lanes=64, max_context=ctx, prefill_chunk=512)
     stock = LLM(full_target, **kw)
     greedy_ref = [r.token_ids for r in stock.generate(prompts, SamplingParams(temperature=0, max_tokens=args.eval_max_tokens))]
-    result = {"prompts": len(prompts), "max_tokens": args.eval_max_tokens, "dtype": "float32",
+    # "sets": how many of the prompts, in order, each set gave (compare_drafters splits by it)
+    result = {"prompts": len(prompts), "sets": {s: len(r) for s, r in sets.items()},
+              "max_tokens": args.eval_max_tokens, "dtype": "float32",
               "verify_rule": stock.engine.ecfg.verify_rule}  # the engines' default accept rule
     def per_request(res) -> dict:  # in prompt order: what scripts/compare_drafters.py pairs
         return {"tokens": [len(r.token_ids) for r in res],

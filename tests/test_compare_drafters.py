@@ -104,3 +104,39 @@ def test_compare_picks_named_drafters_from_one_record(tmp_path, capsys):
         cd.main([str(path), str(path)])
     with pytest.raises(SystemExit, match="no engine eval of drafter 'eagle'"):
         cd.main([str(path), str(path), "--a-name", "eagle"])
+
+
+def test_each_prompt_set_gets_its_own_ratio(tmp_path, capsys):
+    """Records that name their prompt sets (in prompt order) give a ratio per set, computed on that
+    set's prompts alone; older records take --sets; records of other sets are refused."""
+    cd = load_script("compare_drafters")
+    rng = np.random.default_rng(2)
+    sets = {"humaneval": 30, "mbpp": 20}
+    recs = {}
+    for name, taus in (("dspark", (3.2, 2.2)), ("dflash", (2.7, 1.9))):
+        parts = [_replies(rng, n, tau) for n, tau in zip(sets.values(), taus)]
+        t, s = (np.concatenate(x) for x in zip(*parts))
+        recs[name] = {"prompts": 50, "sets": sets,
+                      f"{name}_t1": {"per_request": {"tokens": t.tolist(), "steps": s.tolist()}}}
+    res = cd.compare(recs["dspark"], recs["dflash"])
+    he, mb = res["t1_humaneval"], res["t1_mbpp"]
+    pa = recs["dspark"]["dspark_t1"]["per_request"]
+    assert he["prompts"] == 30 and mb["prompts"] == 20
+    assert he["tau_a"] == pytest.approx(sum(pa["tokens"][:30]) / sum(pa["steps"][:30]))
+    assert mb["tau_a"] == pytest.approx(sum(pa["tokens"][30:]) / sum(pa["steps"][30:]))
+    assert he["tau_a"] > res["t1"]["tau_a"] > mb["tau_a"]  # the whole lies between its parts
+    # an older record without "sets": none unless given
+    old = {k: v for k, v in recs["dflash"].items() if k != "sets"}
+    assert "t1_mbpp" not in cd.compare(recs["dspark"], old)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(recs["dspark"]))
+    b.write_text(json.dumps(old))
+    cd.main([str(a), str(b), "--sets", "humaneval=30,mbpp=20"])
+    assert "t1_mbpp: dspark" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="count 40 prompts, the records 50"):
+        cd.main([str(a), str(b), "--sets", "humaneval=30,mbpp=10"])
+    with pytest.raises(SystemExit, match="NAME=COUNT"):
+        cd.main([str(a), str(b), "--sets", "humaneval"])
+    other = dict(recs["dflash"], sets={"humaneval": 25, "mbpp": 25})
+    with pytest.raises(SystemExit, match="prompt sets differ"):
+        cd.compare(recs["dspark"], other)
