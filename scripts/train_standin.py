@@ -680,7 +680,13 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
             if label == "greedy":
                 rec["greedy_match"] = sum(r.token_ids == g for r, g in zip(res, greedy_ref)) / len(res)
             result[f"{name}_{label}"] = rec
-            log(f"eval {name} {label}: tokens per verify step {rec['tokens_per_step']:.3f}"
+            start, by_set = 0, []
+            for set_name, count in result["sets"].items():  # each set's own figure, in prompt order
+                part = {k: v[start:start + count] for k, v in rec["per_request"].items()}
+                start += count
+                if count:
+                    by_set.append(f"{set_name} {tokens_per_step(part):.3f}")
+            log(f"eval {name} {label}: tokens per verify step {rec['tokens_per_step']:.3f} ({', '.join(by_set)})"
                 + (f", greedy match {rec['greedy_match']:.3f}" if "greedy_match" in rec else ""))
     path.write_text(json.dumps(result, indent=1))
     return result

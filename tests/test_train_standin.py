@@ -247,6 +247,9 @@ def test_joined_rows_and_the_long_prompt_eval_run_end_to_end(trained, tmp_path):
         assert len(per["tokens"]) == len(per["steps"]) >= 2
         assert sum(per["tokens"]) / sum(per["steps"]) == pytest.approx(rec["tokens_per_step"], rel=1e-3)
     assert "long" not in summary["engine_eval"]["dspark_greedy"]
+    # the prompts in order: each set's first --eval-limit first turns (compare_drafters splits by it)
+    assert summary["engine_eval"]["sets"] == {"humaneval": 3, "mbpp": 3}
+    assert len(summary["engine_eval"]["dspark_t1"]["per_request"]["tokens"]) == 6
 
 
 def test_eval_args_take_the_parsers_defaults():
