@@ -60,9 +60,11 @@ def _sets(rec_a: dict, rec_b: dict, given: dict | None) -> dict:
     if given:
         return given
     sa, sb = rec_a.get("sets"), rec_b.get("sets")
-    if sa and sb and list(sa.items()) != list(sb.items()):
+    if not (sa and sb):
+        return {}  # a record from before "sets": no split unless --sets gives it
+    if list(sa.items()) != list(sb.items()):
         raise SystemExit(f"the records' prompt sets differ ({sa} against {sb}): not the same prompts")
-    return dict(sa or {}) if sb else {}
+    return dict(sa)
 
 
 def compare(rec_a: dict, rec_b: dict, name_a: str | None = None,
@@ -120,9 +122,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     res = compare(json.loads(args.a.read_text()), json.loads(args.b.read_text()),
                   args.a_name, args.b_name, args.sets)
-    for label in [k for k in res if k not in ("a", "b")]:
-        if label in res:
-            r = res[label]
+    for label, r in res.items():
+        if label not in ("a", "b"):
             print(f"{label}: {res['a']} {r['tau_a']:.3f} / {res['b']} {r['tau_b']:.3f} = "
                   f"{r['ratio']:.3f}x [{r['low']:.3f}, {r['high']:.3f}] ({r['prompts']} prompts)")
     if args.out:
