@@ -152,12 +152,8 @@ class StepShape:
 def block_keys_per_block(s) -> int:
     """How many blocks' keys a block query scores on the route s.block_attn: its own ("split"),
     every block of the row (the masked routes) or every block of its chunk ("*_chunks")."""
-    import math
-
-    from jspec.train.drafter import CHUNK_ANCHORS
-    if s.block_attn == "split":
-        return 1
-    return math.gcd(s.anchors, CHUNK_ANCHORS) if s.block_attn.endswith("_chunks") else s.anchors
+    from jspec.train.drafter import anchors_per_attention
+    return 1 if s.block_attn == "split" else anchors_per_attention(s.block_attn, s.anchors)
 
 
 def step_flops(s: StepShape) -> dict[str, float]:

@@ -63,6 +63,12 @@ BLOCK_ATTN_IMPLS = ("split", "cudnn", "xla", "cudnn_chunks", "xla_chunks")  # bl
 CHUNK_ANCHORS = 128  # "*_chunks": anchors whose blocks share one attention call's block keys
 
 
+def anchors_per_attention(impl: str, anchors: int) -> int:
+    """How many anchors' blocks one block attention call holds on route `impl`: a row's chunk of
+    up to CHUNK_ANCHORS (a divisor of `anchors`) on "*_chunks", else the whole row's."""
+    return math.gcd(anchors, CHUNK_ANCHORS) if impl.endswith("_chunks") else anchors
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterTrainConfig:
     num_anchors: int = 512
@@ -172,10 +178,8 @@ def block_attention(ctx_kv: list[tuple[Array, Array]], sees_ctx_bas: Array, bloc
     if impl not in BLOCK_ATTN_IMPLS:
         raise ValueError(f"block attention impl {impl!r}: expected one of {BLOCK_ATTN_IMPLS}")
     if impl != "split":
-        implementation, chunked = impl.removesuffix("_chunks"), impl.endswith("_chunks")
-        A = sees_ctx_bas.shape[1]
-        chunk = math.gcd(A, CHUNK_ANCHORS) if chunked else A
-        return _masked_block_attention(ctx_kv, sees_ctx_bas, block, implementation, chunk)
+        return _masked_block_attention(ctx_kv, sees_ctx_bas, block, impl.removesuffix("_chunks"),
+                                       anchors_per_attention(impl, sees_ctx_bas.shape[1]))
 
     def attend(layer_idx, q, k, v, cache):
         B, Q, Hq, hd = q.shape
