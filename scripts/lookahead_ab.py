@@ -142,9 +142,9 @@ def main(argv=None) -> dict:
         gc.collect()
         print(json.dumps({k: v for k, v in record["workloads"][name].items() if k != "passes"}),
               flush=True)
-    out = Path(args.out) / "lookahead_ab.json"
-    out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {out}")
+        out = Path(args.out) / "lookahead_ab.json"  # after each workload: a cut-off run keeps it
+        out.write_text(json.dumps(record, indent=1))
+        print(f"wrote {out}", flush=True)
     return record
 
 
