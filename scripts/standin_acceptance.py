@@ -27,6 +27,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts-dir", required=True, help="directory with humaneval.jsonl and mbpp.jsonl")
     ap.add_argument("--limit", type=int, default=100, help="first N prompts of each set (0 = all)")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--samplings", default="t1,greedy", help="comma list of t1, greedy (default both)")
     ap.add_argument("--out", required=True, help="JSON record to write")
     args = ap.parse_args(argv)
 
@@ -38,7 +39,7 @@ def main(argv=None) -> dict:
     spec.loader.exec_module(ts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     eval_args = ts.eval_args(eval_prompts_dir=args.prompts_dir, eval_limit=args.limit,
-                             eval_max_tokens=args.max_tokens)
+                             eval_max_tokens=args.max_tokens, eval_samplings=args.samplings)
     result = ts.stage_engine_eval(eval_args, Path(args.out).parent, check_model_dir(args.target),
                                   {k: check_model_dir(v) for k, v in drafters.items()}, Path(args.out))
     print(json.dumps(result, indent=1))

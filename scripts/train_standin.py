@@ -54,6 +54,8 @@ def add_eval_arguments(g) -> None:
                         "drafters through the engine at T = 1 and greedy (measurement only)")
     g.add_argument("--eval-max-tokens", type=int, default=256)
     g.add_argument("--eval-limit", type=int, default=0, help="first N prompts of each set (0 = all)")
+    g.add_argument("--eval-samplings", default="t1,greedy",
+                   help="comma list of t1, greedy (default both; without greedy no stock reference runs)")
     g.add_argument("--eval-long-tokens", type=int, default=0, metavar="N",
                    help="also evaluate at T = 1 on prompts of >= N tokens built as the bench's busy "
                         "prompts are (consecutive first turns joined; 0 = off)")
@@ -629,10 +631,21 @@ def initial_drafter(path: str, dcfg, model):
     return drafter
 
 
+def eval_samplings(value: str) -> tuple[str, ...]:
+    """--eval-samplings: a non-empty comma list of t1 and greedy."""
+    names = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    bad = [v for v in names if v not in ("t1", "greedy")]
+    if bad or not names:
+        raise ValueError(f"--eval-samplings: choose from t1, greedy, not {bad or 'nothing'}")
+    return names
+
+
 def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Path], path: Path) -> dict:
     """Tokens per verify step of each drafter through the engine on the humaneval + mbpp first
-    turns (chat template), at T = 1 and greedy; greedy outputs checked against stock."""
+    turns (chat template), at T = 1 and greedy (--eval-samplings); greedy outputs checked against
+    stock."""
     from jspec.api import LLM, SamplingParams
+    from jspec.engine import EngineConfig
     from jspec.prompts import load_prompts
     from jspec.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(full_target)
@@ -646,12 +659,15 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
         long_prompts = concatenated_prompts(tok, texts, args.eval_long_count, args.eval_long_tokens)
     ctx = -(-(max(map(len, prompts + long_prompts)) + args.eval_max_tokens + 16) // 64) * 64
     kw = dict(dtype="float32", max_lanes=64, max_context=ctx, prefill_chunk=512)
-    stock = LLM(full_target, **kw)
-    greedy_ref = [r.token_ids for r in stock.generate(prompts, SamplingParams(temperature=0, max_tokens=args.eval_max_tokens))]
+    samplings = eval_samplings(args.eval_samplings)
+    greedy_ref = None
+    if "greedy" in samplings:
+        stock = LLM(full_target, **kw)
+        greedy_ref = [r.token_ids for r in stock.generate(prompts, SamplingParams(temperature=0, max_tokens=args.eval_max_tokens))]
     # "sets": how many of the prompts, in order, each set gave (compare_drafters splits by it)
     result = {"prompts": len(prompts), "sets": {s: len(r) for s, r in sets.items()},
               "max_tokens": args.eval_max_tokens, "dtype": "float32",
-              "verify_rule": stock.engine.ecfg.verify_rule}  # the engines' default accept rule
+              "verify_rule": EngineConfig().verify_rule}  # the engines' default accept rule
     def per_request(res) -> dict:  # in prompt order: what scripts/compare_drafters.py pairs
         return {"tokens": [len(r.token_ids) for r in res],
                 "steps": [len(r.token_ids) / r.tokens_per_step if r.tokens_per_step else 0.0
@@ -664,6 +680,8 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
         llm = LLM(full_target, draft=d, **kw)
         for label, sp in (("t1", SamplingParams(temperature=1.0, seed=0, max_tokens=args.eval_max_tokens)),
                           ("greedy", SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens))):
+            if label not in samplings:
+                continue
             res = llm.generate(prompts, [dataclasses.replace(sp, seed=i) for i in range(len(prompts))])
             per = per_request(res)
             rec = {"tokens_per_step": tokens_per_step(per), "tokens": sum(per["tokens"]),

@@ -263,3 +263,23 @@ def test_eval_args_take_the_parsers_defaults():
     assert args.eval_long_tokens == 0 and args.eval_max_tokens == 256
     with pytest.raises(TypeError, match="eval_limt"):
         ts.eval_args(eval_limt=3)
+
+
+def test_the_engine_eval_at_t1_only_runs_no_greedy(trained, tmp_path):
+    """--eval-samplings t1 (standin_acceptance --samplings t1): the T = 1 figure alone, no greedy
+    record and no stock reference; an unknown sampling is refused by name."""
+    out, _, _ = trained
+    prompts_dir = ROOT.parent / "shared" / "data" / "prompts"
+    if not (prompts_dir / "humaneval.jsonl").is_file():
+        pytest.skip(f"no prompt sets at {prompts_dir}")
+    ts = load_script("train_standin")
+    with pytest.raises(ValueError, match="--eval-samplings.*t2"):
+        ts.eval_samplings("t1,t2")
+    assert ts.eval_samplings("greedy, t1,greedy") == ("greedy", "t1")
+    args = ts.eval_args(eval_prompts_dir=str(prompts_dir), eval_limit=1, eval_max_tokens=4,
+                        eval_samplings="t1")
+    rec = ts.stage_engine_eval(args, tmp_path, out / "full" / "target",
+                               {"dspark": out / "full" / "dspark"}, tmp_path / "eval.json")
+    assert "dspark_t1" in rec and "dspark_greedy" not in rec
+    assert 1.0 <= rec["dspark_t1"]["tokens_per_step"] <= 8.0
+    assert json.loads((tmp_path / "eval.json").read_text())["sets"] == {"humaneval": 1, "mbpp": 1}
