@@ -37,6 +37,7 @@ def main(argv=None) -> dict:
     spec = importlib.util.spec_from_file_location("train_standin", ROOT / "scripts" / "train_standin.py")
     ts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ts)
+    ts.eval_samplings(args.samplings)  # refused before any model loads
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     eval_args = ts.eval_args(eval_prompts_dir=args.prompts_dir, eval_limit=args.limit,
                              eval_max_tokens=args.max_tokens, eval_samplings=args.samplings)

@@ -712,6 +712,10 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
 
 def main(argv=None):
     args = parse_args(argv)
+    try:  # refused before any training, not after it
+        eval_samplings(args.eval_samplings)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     from jspec.config import Qwen3Config
     from jspec.train.data import tokenize_documents
     from jspec.train.vocab import build_compact_vocab, coverage

@@ -276,6 +276,10 @@ def test_the_engine_eval_at_t1_only_runs_no_greedy(trained, tmp_path):
     with pytest.raises(ValueError, match="--eval-samplings.*t2"):
         ts.eval_samplings("t1,t2")
     assert ts.eval_samplings("greedy, t1,greedy") == ("greedy", "t1")
+    with pytest.raises(SystemExit, match="--eval-samplings"):  # before any training starts
+        ts.main(["--corpus", str(tmp_path), "--out", str(tmp_path / "never"),
+                 "--eval-samplings", "greedy,tl"])
+    assert not (tmp_path / "never").exists()
     args = ts.eval_args(eval_prompts_dir=str(prompts_dir), eval_limit=1, eval_max_tokens=4,
                         eval_samplings="t1")
     rec = ts.stage_engine_eval(args, tmp_path, out / "full" / "target",
