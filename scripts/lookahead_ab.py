@@ -110,6 +110,7 @@ def main(argv=None) -> dict:
             set_la(on)
             for n, e in engines.items():
                 bench.warm(e, spec, prompts, n)
+        warm_merges = {n: e.stats["state_merges"] for n, e in engines.items()}
         passes, outputs = [], {}
         for i, on in enumerate(settings_order(args.rounds)):
             set_la(on)
@@ -134,6 +135,7 @@ def main(argv=None) -> dict:
         same = [outs[False] == outs[True] for outs in outputs.values() if len(outs) == 2]
         record["workloads"][name] = {"passes": passes, **summarize(passes),
                                      "outputs_equal": all(same), "pairs_compared": len(same),
+                                     "warmup_state_merges": warm_merges,
                                      "stats": {n: {k: v for k, v in e.stats.items()
                                                    if k in ("admissions_ahead", "lookahead_dispatches",
                                                             "decode_dispatches")}

@@ -443,3 +443,20 @@ def test_admission_launches_a_rounds_prefills_before_reading_a_token(model, monk
     assert [r.output_ids for r in reqs] == [r.output_ids for r in one_lane]
     assert all(r.finish_reason == "length" for r in reqs)
     assert eng.allocator.num_free == eng.allocator.num_pages - 1
+
+
+@pytest.mark.parametrize("admission", [False, True])
+def test_bench_warmup_compiles_the_state_merge_with_lookahead_admission(model, admission):
+    """jspec bench's warm-up seats a request more than the lanes when lookahead_admission is on,
+    so the state merge (its own program) compiles there and not inside the first timed pass."""
+    from types import SimpleNamespace
+
+    from jspec.bench import workloads as W
+    from jspec.bench.run import Bench
+    eng = Engine(CFG, model, eos_ids=(), engine_cfg=EngineConfig(
+        max_lanes=2, page_size=8, max_context=128, prefill_chunk=16, decode_steps=5,
+        attn_impl="xla", lookahead_admission=admission))
+    spec = W.WorkloadSpec("team", lanes=2, num_prompts=6, max_new_tokens=40)
+    prompts = [list(range(3, 9 + i)) for i in range(6)]
+    Bench.warm(SimpleNamespace(sampling=W.SAMPLING["t1"]), eng, spec, prompts, "stock")
+    assert (eng.stats["state_merges"] > 0) == admission

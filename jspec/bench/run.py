@@ -543,7 +543,10 @@ class Bench:
                              verify_rule=verify_rule(a), **base))
 
     def warm(self, engine, spec, prompts, name) -> float:
-        n = min(2, len(prompts))
+        # With lookahead_admission a request seated while a dispatch runs joins the next one
+        # through a state merge, its own small program: a request more than the lanes makes it
+        # compile here rather than in the first timed pass.
+        n = min(spec.lanes + 1 if engine.ecfg.lookahead_admission else 2, len(prompts))
         seeds = [W.request_seed("warmup", spec.name, name, i) for i in range(n)]
         t = time.time()
         engine.precompile_prefill()  # every padded prompt size: none compiles in a timed pass
