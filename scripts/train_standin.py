@@ -706,7 +706,7 @@ def stage_engine_eval(args, out: Path, full_target: Path, drafters: dict[str, Pa
                     by_set.append(f"{set_name} {tokens_per_step(part):.3f}")
             log(f"eval {name} {label}: tokens per verify step {rec['tokens_per_step']:.3f} ({', '.join(by_set)})"
                 + (f", greedy match {rec['greedy_match']:.3f}" if "greedy_match" in rec else ""))
-    path.write_text(json.dumps(result, indent=1))
+            path.write_text(json.dumps(result, indent=1))  # after each: a cut-off eval keeps it
     return result
 
 
