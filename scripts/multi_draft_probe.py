@@ -70,7 +70,8 @@ def round_estimates(target_lp, draft_lp, drafts, num_draft, n: int):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from verify_gate_acceptance import add_t1_probe_arguments, code_first_turns, generate_t1, t1_record
+    from verify_gate_acceptance import (add_t1_probe_arguments, code_first_turns, generate_t1,
+                                         matched_rounds, t1_record)
     add_t1_probe_arguments(ap)
     ap.add_argument("--candidates", type=int, default=4, help="estimate 1..N candidates")
     args = ap.parse_args(argv)
@@ -100,17 +101,8 @@ def main(argv=None) -> dict:
     t = time.time()
     reqs = generate_t1(llm, prompts, args.max_tokens)
     wall = time.time() - t
-    a_rows, rests, missing = [], [], 0
-    for r in reqs:  # the rounds this request really ran: first positions from its step sizes
-        start = len(r.prompt_ids) + np.concatenate([[0], np.cumsum(r.step_tokens)[:-1]])
-        for pos in start + 1:
-            got = rounds.get((int(r.seed), int(pos)))
-            if got is None:
-                missing += 1
-                continue
-            a_rows.append(got[0])
-            rests.append(got[1])
-    a, rest = np.array(a_rows), np.array(rests)
+    got, missing = matched_rounds(reqs, rounds)
+    a, rest = np.array([g[0] for g in got]), np.array([g[1] for g in got])
     accepted = a * (1.0 + rest[:, None])  # [rounds, n]
     tau = 1.0 + accepted.mean(0)
     rec = {**t1_record(args, prompts, reqs), "rule": "token",

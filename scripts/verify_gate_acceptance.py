@@ -82,6 +82,23 @@ def t1_record(args, prompts: list[str], reqs: list) -> dict:
                             "steps": [len(r.step_tokens) for r in reqs]}}
 
 
+def matched_rounds(reqs: list, rounds: dict) -> tuple[list, int]:
+    """What a probe recorded at each verify round a request really ran, in order: rounds maps
+    (seed, first position) to a value; the first positions come from the request's step sizes.
+    Returns (values, rounds missing)."""
+    import numpy as np
+    values, missing = [], 0
+    for r in reqs:
+        start = len(r.prompt_ids) + np.concatenate([[0], np.cumsum(r.step_tokens)[:-1]])
+        for pos in start + 1:
+            got = rounds.get((int(r.seed), int(pos)))
+            if got is None:
+                missing += 1
+            else:
+                values.append(got)
+    return values, missing
+
+
 def generate_t1(llm, prompts: list[str], max_tokens: int) -> list:
     """Every prompt in the chat template at T = 1, seeds 1000 + i: the requests, after the run."""
     from jspec import SamplingParams

@@ -53,7 +53,8 @@ def expected_accepts(target_logits, draft_logprobs, draft_tokens, num_draft, arr
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from verify_gate_acceptance import add_t1_probe_arguments, code_first_turns, generate_t1, t1_record
+    from verify_gate_acceptance import (add_t1_probe_arguments, code_first_turns, generate_t1,
+                                         matched_rounds, t1_record)
     add_t1_probe_arguments(ap)
     ap.add_argument("--rule", choices=["token", "block"], default="token",
                     help="the rule the engine generates with")
@@ -83,17 +84,8 @@ def main(argv=None) -> dict:
     t = time.time()
     reqs = generate_t1(llm, prompts, args.max_tokens)
     wall = time.time() - t
-    token, block, missing = [], [], 0
-    for r in reqs:  # the rounds this request really ran: first positions from its step sizes
-        start = len(r.prompt_ids) + np.concatenate([[0], np.cumsum(r.step_tokens)[:-1]])
-        for pos in start + 1:
-            got = rounds.get((int(r.seed), int(pos)))
-            if got is None:
-                missing += 1
-                continue
-            token.append(got[0])
-            block.append(got[1])
-    token, block = np.array(token), np.array(block)
+    got, missing = matched_rounds(reqs, rounds)
+    token, block = np.array([g[0] for g in got]), np.array([g[1] for g in got])
     diff = block - token
     rec = {**t1_record(args, prompts, reqs), "rule": args.rule,
            "rounds_matched": len(token), "rounds_missing": missing,

@@ -75,3 +75,16 @@ def test_round_estimates_on_a_worked_round():
     assert rest[0] == pytest.approx(0.25)
     a, rest = md.round_estimates(p, q, np.array([[0, 0]]), np.array([1]), 2)
     assert rest[0] == 0.0  # the second draft was not proposed
+
+
+def test_matched_rounds_follow_each_requests_steps():
+    # A request of prompt length 5 that emitted 3, 1 and 2 tokens ran rounds whose first drafted
+    # position was 6, 9 and 10; a round recorded for another seed or position is not its.
+    from types import SimpleNamespace
+    vg = load_script("verify_gate_acceptance")
+    reqs = [SimpleNamespace(prompt_ids=[0] * 5, step_tokens=[3, 1, 2], seed=7),
+            SimpleNamespace(prompt_ids=[0] * 2, step_tokens=[1], seed=8)]
+    rounds = {(7, 6): "a", (7, 9): "b", (7, 10): "c", (8, 3): "d", (7, 7): "x", (9, 6): "y"}
+    assert vg.matched_rounds(reqs, rounds) == (["a", "b", "c", "d"], 0)
+    del rounds[(7, 9)]
+    assert vg.matched_rounds(reqs, rounds) == (["a", "c", "d"], 1)
