@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -54,54 +53,35 @@ def candidates_acceptance(p, q, n: int) -> np.ndarray:
 def round_estimates(target_lp, draft_lp, drafts, num_draft, n: int):
     """(a [B, n]: first-position acceptance with 1..n candidates, rest [B]) from one round:
     target_lp [B, K+1, V], draft_lp [B, K, V] (log-probs), drafts [B, K], num_draft [B]."""
+    from verify_gate_acceptance import token_rule_survival
     target_lp, draft_lp = np.asarray(target_lp, np.float64), np.asarray(draft_lp, np.float64)
     drafts, num_draft = np.asarray(drafts), np.asarray(num_draft)
     a = candidates_acceptance(np.exp(target_lp[:, 0]), np.exp(draft_lp[:, 0]), n)
-    K = drafts.shape[1]
-    tok = np.clip(drafts, 0, target_lp.shape[-1] - 1)[..., None]
-    ratio = np.exp(np.minimum(np.take_along_axis(target_lp[:, :K], tok, -1)[..., 0]
-                              - np.take_along_axis(draft_lp, tok, -1)[..., 0], 0.0))
-    proposed = np.arange(K)[None] < num_draft[:, None]
-    ratio = np.where(proposed, ratio, 0.0)
-    rest = np.cumprod(ratio[:, 1:], axis=1).sum(1) if K > 1 else np.zeros(len(drafts))
-    return a, rest
+    # drafts 2..k all accepted given the first was: the survival from draft 2 on
+    survive = token_rule_survival(target_lp[:, 1:], draft_lp[:, 1:], drafts[:, 1:],
+                                  np.maximum(num_draft - 1, 0))
+    return a, survive.sum(1)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from verify_gate_acceptance import (add_t1_probe_arguments, code_first_turns, generate_t1,
-                                         matched_rounds, t1_record)
+    from verify_gate_acceptance import add_t1_probe_arguments, probe_rounds, t1_record
     add_t1_probe_arguments(ap)
     ap.add_argument("--candidates", type=int, default=4, help="estimate 1..N candidates")
     args = ap.parse_args(argv)
 
-    import jax
-    import jspec.spec_steps as spec_steps
-    from jspec import LLM, sampling
-
-    rounds = {}  # (seed, first position) -> (a [n], rest)
+    from jspec import sampling
     n = args.candidates
 
-    def record(seeds, positions, target_lp, q, drafts, num_draft):
+    def traced(target_logits, q, drafts, num_draft, arrays):
+        return sampling.process(target_logits, arrays), q, drafts, num_draft
+
+    def host(target_lp, q, drafts, num_draft):
         a, rest = round_estimates(target_lp, q, drafts, num_draft, n)
-        for s, p, ai, ri in zip(np.asarray(seeds), np.asarray(positions), a, rest):
-            rounds[(int(s), int(p))] = (ai, float(ri))
+        return [(ai, float(ri)) for ai, ri in zip(a, rest)]
 
-    base = spec_steps.rejection_sample
-
-    def probed(target_logits, q, drafts, num_draft, arrays, positions, rule="token"):
-        jax.debug.callback(record, arrays.seed, positions,
-                           sampling.process(target_logits, arrays), q, drafts, num_draft)
-        return base(target_logits, q, drafts, num_draft, arrays, positions, rule=rule)
-
-    spec_steps.rejection_sample = probed
-    prompts = code_first_turns(args.prompts_dir, args.limit)
-    llm = LLM(args.target, draft=args.draft, max_lanes=8, verify_rule="token")
-    t = time.time()
-    reqs = generate_t1(llm, prompts, args.max_tokens)
-    wall = time.time() - t
-    got, missing = matched_rounds(reqs, rounds)
+    prompts, reqs, got, missing, wall = probe_rounds(args, traced, host, "token")
     a, rest = np.array([g[0] for g in got]), np.array([g[1] for g in got])
     accepted = a * (1.0 + rest[:, None])  # [rounds, n]
     tau = 1.0 + accepted.mean(0)

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -86,7 +88,6 @@ def matched_rounds(reqs: list, rounds: dict) -> tuple[list, int]:
     """What a probe recorded at each verify round a request really ran, in order: rounds maps
     (seed, first position) to a value; the first positions come from the request's step sizes.
     Returns (values, rounds missing)."""
-    import numpy as np
     values, missing = [], 0
     for r in reqs:
         start = len(r.prompt_ids) + np.concatenate([[0], np.cumsum(r.step_tokens)[:-1]])
@@ -97,6 +98,58 @@ def matched_rounds(reqs: list, rounds: dict) -> tuple[list, int]:
             else:
                 values.append(got)
     return values, missing
+
+
+def token_rule_survival(target_lp, draft_lp, drafts, num_draft, xp=None):
+    """P(drafts 1..k all accepted) under the token rule, [B, K]: prod_{i <= k} min(1,
+    p_i(x_i) / q_i(x_i)), 0 past num_draft. target_lp [B, K+1, V] and draft_lp [B, K, V] are
+    log-probs, drafts [B, K], num_draft [B]. xp: numpy (host, the default) or jax.numpy (traced)."""
+    xp = np if xp is None else xp
+    K = drafts.shape[1]
+    tok = xp.clip(drafts, 0, target_lp.shape[-1] - 1)[..., None]
+    log_ratio = (xp.take_along_axis(target_lp[:, :K], tok, -1)[..., 0]
+                 - xp.take_along_axis(draft_lp, tok, -1)[..., 0])
+    proposed = xp.arange(K)[None] < xp.clip(num_draft, 0, K)[:, None]
+    return xp.cumprod(xp.where(proposed, xp.exp(xp.minimum(log_ratio, 0.0)), 0.0), axis=1)
+
+
+def probe_rounds(args, traced, host, verify_rule: str):
+    """Generate the T = 1 code prompts (generate_t1) with a probe at every verify round.
+
+    traced(target_logits, q, drafts, num_draft, arrays) runs inside the jitted step and returns
+    a tuple of per-lane arrays; host(*those, as numpy) returns one value per lane, recorded by
+    (seed, first drafted position). The engine's rejection_sample is patched only for this run.
+    Returns (prompts, requests, the values of the rounds the requests ran, rounds missing, wall s).
+    """
+    import jax
+    import jspec.spec_steps as spec_steps
+    from jspec import LLM
+
+    rounds = {}
+
+    def record(seeds, positions, *outs):
+        for s, pos, value in zip(np.asarray(seeds), np.asarray(positions),
+                                 host(*[np.asarray(o) for o in outs])):
+            rounds[(int(s), int(pos))] = value
+
+    base = spec_steps.rejection_sample
+
+    def probed(target_logits, q, drafts, num_draft, arrays, positions, rule="token"):
+        outs = traced(target_logits, q, drafts, num_draft, arrays)
+        jax.debug.callback(record, arrays.seed, positions, *outs)
+        return base(target_logits, q, drafts, num_draft, arrays, positions, rule=rule)
+
+    prompts = code_first_turns(args.prompts_dir, args.limit)
+    spec_steps.rejection_sample = probed
+    try:
+        llm = LLM(args.target, draft=args.draft, max_lanes=8, verify_rule=verify_rule)
+        t = time.time()
+        reqs = generate_t1(llm, prompts, args.max_tokens)
+        wall = time.time() - t
+    finally:
+        spec_steps.rejection_sample = base
+    got, missing = matched_rounds(reqs, rounds)
+    return prompts, reqs, got, missing, wall
 
 
 def generate_t1(llm, prompts: list[str], max_tokens: int) -> list:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,15 +32,11 @@ def expected_accepts(target_logits, draft_logprobs, draft_tokens, num_draft, arr
     """(token rule, block rule) expected accepted drafts per lane [B] (jnp)."""
     import jax.numpy as jnp
     from jspec import rejection, sampling
+    from verify_gate_acceptance import token_rule_survival
     target_lp = sampling.process(target_logits, arrays)
     K = draft_tokens.shape[1]
     num_draft = jnp.clip(num_draft, 0, K)
-    tokens = jnp.clip(draft_tokens, 0, target_lp.shape[-1] - 1)[..., None]
-    log_ratio = (jnp.take_along_axis(target_lp[:, :K], tokens, -1)[..., 0]
-                 - jnp.take_along_axis(draft_logprobs, tokens, -1)[..., 0])
-    proposed = jnp.arange(K)[None] < num_draft[:, None]
-    survive = jnp.cumprod(jnp.where(proposed, jnp.exp(jnp.minimum(log_ratio, 0.0)), 0.0), axis=1)
-    token = survive.sum(1)
+    token = token_rule_survival(target_lp, draft_logprobs, draft_tokens, num_draft, xp=jnp).sum(1)
     stop, _ = rejection.block_acceptance(target_lp, draft_logprobs, draft_tokens, num_draft)
     # P(accept length = a) = h_a prod_{j > a} (1 - h_j)
     later_fail = jnp.flip(jnp.cumprod(jnp.flip(1.0 - stop, 1), 1), 1)  # prod_{j >= a}
@@ -53,38 +48,16 @@ def expected_accepts(target_logits, draft_logprobs, draft_tokens, num_draft, arr
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from verify_gate_acceptance import (add_t1_probe_arguments, code_first_turns, generate_t1,
-                                         matched_rounds, t1_record)
+    from verify_gate_acceptance import add_t1_probe_arguments, probe_rounds, t1_record
     add_t1_probe_arguments(ap)
     ap.add_argument("--rule", choices=["token", "block"], default="token",
                     help="the rule the engine generates with")
     args = ap.parse_args(argv)
 
-    import jax
-    import jspec.spec_steps as spec_steps
-    from jspec import LLM
+    def host(token, block):
+        return [(float(t), float(b)) for t, b in zip(token, block)]
 
-    rounds = {}  # (seed, first position) -> (token, block)
-
-    def record(seeds, positions, token, block):
-        for s, p, t, b in zip(np.asarray(seeds), np.asarray(positions), np.asarray(token),
-                              np.asarray(block)):
-            rounds[(int(s), int(p))] = (float(t), float(b))
-
-    base = spec_steps.rejection_sample
-
-    def probed(target_logits, q, drafts, num_draft, arrays, positions, rule="token"):
-        token, block = expected_accepts(target_logits, q, drafts, num_draft, arrays)
-        jax.debug.callback(record, arrays.seed, positions, token, block)
-        return base(target_logits, q, drafts, num_draft, arrays, positions, rule=rule)
-
-    spec_steps.rejection_sample = probed
-    prompts = code_first_turns(args.prompts_dir, args.limit)
-    llm = LLM(args.target, draft=args.draft, max_lanes=8, verify_rule=args.rule)
-    t = time.time()
-    reqs = generate_t1(llm, prompts, args.max_tokens)
-    wall = time.time() - t
-    got, missing = matched_rounds(reqs, rounds)
+    prompts, reqs, got, missing, wall = probe_rounds(args, expected_accepts, host, args.rule)
     token, block = np.array([g[0] for g in got]), np.array([g[1] for g in got])
     diff = block - token
     rec = {**t1_record(args, prompts, reqs), "rule": args.rule,
