@@ -357,3 +357,22 @@ def test_bench_quick_draft_vocabulary(bench_pair, tmp_path):
     assert not rec["workloads"]["solo"]["recompiled"]
     assert rec["acceptance"]["solo"] >= 1.0 and rec["fidelity"]["mean"] <= 0.002
 
+
+
+def test_peer_only_record_names_the_gpu_the_peer_ran_on(bench_pair, tmp_path):
+    # `--workloads peer` never touches JAX's device, so only the peer's part knows the GPU; the
+    # record's header printed "GPU: None" before.
+    import argparse
+
+    from jspec.bench.run import Bench, add_bench_parser
+    target_dir, draft_dir = bench_pair
+    parser = argparse.ArgumentParser(prog="jspec")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
+                              "--out", str(tmp_path), "--workloads", "peer", "--no-progress"])
+    bench = Bench(args, ["peer"])
+    bench.write_part("peer", {"part": "peer", "key": bench.key, "workload": "solo", "status": "ok",
+                              "reason": None, "device": "Some GPU 80GB", "tokens_per_s": 100.0})
+    rec = bench.assemble()
+    assert rec["env"]["gpu"] == "Some GPU 80GB"
+    assert "GPU: Some GPU 80GB" in (tmp_path / "bench.md").read_text()

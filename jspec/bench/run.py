@@ -430,6 +430,9 @@ class Bench:
         if env is None:  # no JAX workload in this process (peer only): the last one measured
             envs = [p["env"] for p in parts.values() if p.get("env")]
             env = max(envs, key=lambda e: e.get("date") or "") if envs else self.base_env(device=False)
+            peer_device = parts.get("peer", {}).get("device")
+            if env.get("gpu") is None and peer_device:  # JAX never touched the GPU: the peer did
+                env = {**env, "gpu": peer_device}
         record = assemble(parts, env=env, warnings=warnings, config=self.config())
         write_outputs(record, self.out)
         return record
