@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from jspec.config import ConfigError
 from jspec.draft_vocab import (RANKED_IDS_FILE, choose_ids, ranked_ids_from_rows,
@@ -16,7 +15,8 @@ from jspec.engine import Engine, EngineConfig, Request
 from stats_helpers import chi2_pvalue
 # The pair and fixtures of the speculative engine's tests (fixtures imported are registered here).
 from test_spec_engine import (CFG, DCFG, ECFG, K, SPECS, _requests, bigram_pair,  # noqa: F401
-                              random_drafter, target, tiny_pair_dirs)
+                              pair_law, random_drafter, sampled_pairs, target,
+                              tiny_pair_dirs)
 
 
 def test_choose_ids_cuts_the_ranking_and_keeps_eos():
@@ -114,21 +114,12 @@ def test_draft_vocabulary_keeps_the_sampled_law():
     eng = Engine(CFG, t, (), EngineConfig(max_lanes=8, page_size=8, max_context=32, prefill_chunk=8,
                                           decode_steps=1, attn_impl="xla", draft_vocab=3),
                  drafter=d, draft_cfg=DCFG, draft_vocab_ids=[0, 2, 4, 1, 3, 5])
-    n, x0 = 2400, 3
-    reqs = eng.generate([Request([1, x0], temperature=1.0, max_tokens=3, seed=i) for i in range(n)])
-    pairs = np.array([r.output_ids[:2] for r in reqs])
-    assert pairs.max() < 6
-    counts = np.zeros((6, 6))
-    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
-    expected = np.outer(law[x0, :6], np.ones(6)) * law[:6, :6]
-    keep = n * expected / expected.sum() > 5
-    p_value = stats.chisquare(counts[keep], expected[keep] * counts[keep].sum()
-                              / expected[keep].sum()).pvalue
+    reqs, counts = sampled_pairs(eng)
+    p_value = chi2_pvalue(counts, pair_law(law, law))
     assert p_value > 1e-3, p_value
     assert counts[:, [1, 3, 5]].sum() > 100  # tokens no draft can propose are emitted
-    drafts_only = law[:6, :6] * np.isin(np.arange(6), [0, 2, 4])[None]
-    wrong = np.outer(law[x0, :6], np.ones(6)) * drafts_only / drafts_only.sum(1, keepdims=True)
-    assert chi2_pvalue(counts, wrong) < 1e-6
+    drafts_only = law * np.isin(np.arange(law.shape[1]), [0, 2, 4])[None]
+    assert chi2_pvalue(counts, pair_law(law, drafts_only / drafts_only.sum(1, keepdims=True))) < 1e-6
     assert np.mean([np.mean(r.step_tokens) for r in reqs]) < K  # drafts were rejected too
 
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import stats
 
 from jspec.config import PRESETS
 from jspec.dspark import DSparkConfig, init_random_drafter
@@ -15,6 +14,7 @@ from jspec.engine import Engine, EngineConfig, Request
 from jspec.qwen3 import init_random
 from jspec.scoring import teacher_forced_logprobs
 from jspec.steps import compile_count
+from stats_helpers import chi2_pvalue
 
 CFG = PRESETS["tiny-untied"]
 K = 7
@@ -66,6 +66,21 @@ def bigram_pair(concentrate: int | None = None, drafter_noise: float = 0.0):
     law = jax.nn.softmax(jnp.asarray(normed @ head.T), -1)  # law[x] = p(. | x)
     return t, d, np.asarray(law, np.float64)
 
+
+def sampled_pairs(eng, n: int = 2400, x0: int = 3) -> tuple[list, np.ndarray]:
+    """n requests [1, x0] at T = 1, 3 tokens each: (the requests, counts [6, 6] of their first
+    two emitted tokens (t1, t2), t2 from a speculative iteration)."""
+    reqs = eng.generate([Request([1, x0], temperature=1.0, max_tokens=3, seed=i) for i in range(n)])
+    pairs = np.array([r.output_ids[:2] for r in reqs])
+    assert pairs.max() < 6
+    counts = np.zeros((6, 6))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    return reqs, counts
+
+
+def pair_law(first, second, x0: int = 3) -> np.ndarray:
+    """The law of (t1, t2) after x0 when t1 ~ first[x0] and t2 ~ second[t1]: [6, 6]."""
+    return np.outer(first[x0, :6], np.ones(6)) * second[:6, :6]
 
 def _requests(specs, temperature=0.0, seed0=0, **kw):
     rng = np.random.default_rng(7)
@@ -136,23 +151,12 @@ def test_spec_sampled_law_end_to_end(rule):
     eng = Engine(CFG, t, (), EngineConfig(max_lanes=8, page_size=8, max_context=32, prefill_chunk=8,
                                           decode_steps=1, attn_impl="xla", verify_rule=rule),
                  drafter=d, draft_cfg=DCFG)
-    n, x0 = 2400, 3
-    reqs = eng.generate([Request([1, x0], temperature=1.0, max_tokens=3, seed=i) for i in range(n)])
-    pairs = np.array([r.output_ids[:2] for r in reqs])
-    assert pairs.max() < 6
-    counts = np.zeros((6, 6))
-    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
-    expected = np.outer(law[x0, :6], np.ones(6)) * law[:6, :6]
-    expected = n * expected / expected.sum()
-    keep = expected > 5
-    p_value = stats.chisquare(counts[keep], expected[keep] * counts[keep].sum() / expected[keep].sum()).pvalue
+    reqs, counts = sampled_pairs(eng)
+    p_value = chi2_pvalue(counts, pair_law(law, law))
     assert p_value > 1e-3, p_value
     # Negative control: the drafter's law q(t2|t1) is different, and the test must see it.
     q_rows = np.asarray(jax.nn.softmax(jnp.asarray(d.markov_w1[...]) @ jnp.asarray(d.markov_w2[...]).T, -1), np.float64)
-    wrong = np.outer(law[x0, :6], np.ones(6)) * q_rows[:6, :6] / q_rows[:6, :6].sum(1, keepdims=True)
-    wrong = n * wrong / wrong.sum()
-    keep_w = wrong > 5
-    p_wrong = stats.chisquare(counts[keep_w], wrong[keep_w] * counts[keep_w].sum() / wrong[keep_w].sum()).pvalue
+    p_wrong = chi2_pvalue(counts, pair_law(law, q_rows / q_rows[:, :6].sum(1, keepdims=True)))
     assert p_wrong < 1e-6, p_wrong
     assert np.mean([np.mean(r.step_tokens) for r in reqs]) < K  # drafts were actually rejected
 
