@@ -34,7 +34,8 @@
 # Each engine's warm-up compiles every prefill size (EngineConfig.prefill_sizes: chunk / 8 .. chunk).
 # Pass JSPEC_COMMIT explicitly from the submitting checkout: the device's .git can be stale.
 # Every stage writes $BENCH_DIR/parts/<stage>.json and re-assembles $BENCH_DIR/bench.{json,md,png}
-# from all parts of the same run (same model, drafter, sampling, knobs and commit); the last stage
+# from all parts of the same run (same model, drafter, sampling, knobs and commit; the peer's part
+# only needs the same model, sampling and commit, since no jspec knob touches it); the last stage
 # leaves the complete record. Each command copies $BENCH_DIR to $OUT/bench so what was measured
 # comes back even if a later command fails. If the machine is handed back between commands,
 # start again from `graft`.

@@ -376,3 +376,33 @@ def test_peer_only_record_names_the_gpu_the_peer_ran_on(bench_pair, tmp_path):
     rec = bench.assemble()
     assert rec["env"]["gpu"] == "Some GPU 80GB"
     assert "GPU: Some GPU 80GB" in (tmp_path / "bench.md").read_text()
+
+
+def test_a_peer_part_belongs_to_every_run_on_the_same_model_sampling_and_code(bench_pair, tmp_path):
+    # The peer runs the checkpoint as stored, so the jspec engines' knobs do not touch it: a
+    # peer part measured without --batch-invariant enters a run with it; another sampling's does
+    # not, and the record says why.
+    import argparse
+
+    from jspec.bench.run import Bench, add_bench_parser
+    target_dir, draft_dir = bench_pair
+    parser = argparse.ArgumentParser(prog="jspec")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+
+    def bench(*extra):
+        args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
+                                  "--out", str(tmp_path), "--workloads", "peer", "--no-progress",
+                                  *extra])
+        return Bench(args, ["peer"])
+
+    plain = bench()
+    plain.write_part("peer", {"part": "peer", "key": plain.key, "workload": "solo", "status": "ok",
+                              "reason": None, "device": "Some GPU", "tokens_per_s": 100.0})
+    parts, warnings = bench("--batch-invariant", "--prefill-chunk", "512").read_parts()
+    assert parts["peer"]["tokens_per_s"] == 100.0 and not warnings
+    parts, warnings = bench("--sampling", "greedy").read_parts()
+    assert "peer" not in parts and "differs in sampling" in warnings[0]
+    # Engine parts still need the whole key.
+    plain.write_part("solo", {"part": "solo", "key": plain.key})
+    parts, warnings = bench("--batch-invariant").read_parts()
+    assert "solo" not in parts and "batch_invariant" in warnings[0]

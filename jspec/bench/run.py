@@ -386,6 +386,18 @@ class Bench:
         for src in getattr(args, "merge_parts", None) or []:
             self.merge_parts(Path(src))
 
+    # The peer (transformers + PyTorch on the checkpoint as stored) depends on none of the jspec
+    # engines' knobs: its part belongs to every run on the same model, sampling, size and code.
+    PEER_KEY_FIELDS = ("model", "sampling", "quick", "commit")
+
+    def key_differences(self, part: dict) -> list[str]:
+        """The key fields in which a part differs from this run ([] when it belongs to it)."""
+        key = part.get("key") or {}
+        fields = set(key) | set(self.key)
+        if part.get("part") == "peer":
+            fields = set(self.PEER_KEY_FIELDS)
+        return sorted(k for k in fields if key.get(k) != self.key.get(k))
+
     def merge_parts(self, src: Path) -> None:
         """The parts under SRC/parts that belong to this run, copied into OUT/parts; a part of
         another run is left out, and said so."""
@@ -394,7 +406,7 @@ class Bench:
             raise ValueError(f"--merge-parts {src}: no parts/*.json there")
         for f in files:
             part = json.loads(f.read_text())
-            if part.get("key") != self.key:
+            if self.key_differences(part):
                 print(f"--merge-parts: {f} belongs to another run, not merged", file=sys.stderr)
                 continue
             self.write_part(part["part"], part)
@@ -415,9 +427,8 @@ class Bench:
             except json.JSONDecodeError:
                 warnings.append(f"{f.name}: unreadable, ignored")
                 continue
-            if p.get("key") != self.key:
-                diff = sorted(k for k in set(p.get("key", {})) | set(self.key)
-                              if p.get("key", {}).get(k) != self.key.get(k))
+            diff = self.key_differences(p)
+            if diff:
                 warnings.append(f"{f.name}: from another run (differs in {', '.join(diff)}), ignored")
                 continue
             parts[p["part"]] = p
