@@ -37,7 +37,10 @@ def main(argv=None) -> dict:
     spec = importlib.util.spec_from_file_location("train_standin", ROOT / "scripts" / "train_standin.py")
     ts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ts)
-    ts.eval_samplings(args.samplings)  # refused before any model loads
+    try:  # refused before any model loads, under this script's own option name
+        ts.eval_samplings(args.samplings, flag="--samplings")
+    except ValueError as e:
+        ap.error(str(e))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     eval_args = ts.eval_args(eval_prompts_dir=args.prompts_dir, eval_limit=args.limit,
                              eval_max_tokens=args.max_tokens, eval_samplings=args.samplings)

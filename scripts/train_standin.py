@@ -631,12 +631,12 @@ def initial_drafter(path: str, dcfg, model):
     return drafter
 
 
-def eval_samplings(value: str) -> tuple[str, ...]:
-    """--eval-samplings: a non-empty comma list of t1 and greedy."""
+def eval_samplings(value: str, flag: str = "--eval-samplings") -> tuple[str, ...]:
+    """--eval-samplings (or the caller's `flag`): a non-empty comma list of t1 and greedy."""
     names = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
     bad = [v for v in names if v not in ("t1", "greedy")]
     if bad or not names:
-        raise ValueError(f"--eval-samplings: choose from t1, greedy, not {bad or 'nothing'}")
+        raise ValueError(f"{flag}: choose from t1, greedy, not {bad or 'nothing'}")
     return names
 
 

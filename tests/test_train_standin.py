@@ -287,3 +287,12 @@ def test_the_engine_eval_at_t1_only_runs_no_greedy(trained, tmp_path):
     assert "dspark_t1" in rec and "dspark_greedy" not in rec
     assert 1.0 <= rec["dspark_t1"]["tokens_per_step"] <= 8.0
     assert json.loads((tmp_path / "eval.json").read_text())["sets"] == {"humaneval": 1, "mbpp": 1}
+
+
+def test_standin_acceptance_refuses_an_unknown_sampling_by_its_own_option(tmp_path, capsys):
+    sa = load_script("standin_acceptance")
+    with pytest.raises(SystemExit) as exit_info:
+        sa.main(["--prompts-dir", str(tmp_path), "--samplings", "t1,t3", "--out", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2
+    assert "--samplings: choose from t1, greedy, not ['t3']" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
