@@ -359,9 +359,8 @@ def test_bench_quick_draft_vocabulary(bench_pair, tmp_path):
 
 
 
-def test_peer_only_record_names_the_gpu_the_peer_ran_on(bench_pair, tmp_path):
-    # `--workloads peer` never touches JAX's device, so only the peer's part knows the GPU; the
-    # record's header printed "GPU: None" before.
+def _bench(bench_pair, out, *extra):
+    """A Bench over bench_pair writing to `out`, built from `jspec bench` options (`extra`)."""
     import argparse
 
     from jspec.bench.run import Bench, add_bench_parser
@@ -369,10 +368,20 @@ def test_peer_only_record_names_the_gpu_the_peer_ran_on(bench_pair, tmp_path):
     parser = argparse.ArgumentParser(prog="jspec")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
-                              "--out", str(tmp_path), "--workloads", "peer", "--no-progress"])
-    bench = Bench(args, ["peer"])
-    bench.write_part("peer", {"part": "peer", "key": bench.key, "workload": "solo", "status": "ok",
-                              "reason": None, "device": "Some GPU 80GB", "tokens_per_s": 100.0})
+                              "--out", str(out), "--workloads", "peer", "--no-progress", *extra])
+    return Bench(args, ["peer"])
+
+
+def _peer_part(bench, device="Some GPU 80GB"):
+    return {"part": "peer", "key": bench.key, "workload": "solo", "status": "ok", "reason": None,
+            "device": device, "tokens_per_s": 100.0}
+
+
+def test_peer_only_record_names_the_gpu_the_peer_ran_on(bench_pair, tmp_path):
+    # `--workloads peer` never touches JAX's device, so only the peer's part knows the GPU; the
+    # record's header printed "GPU: None" before.
+    bench = _bench(bench_pair, tmp_path)
+    bench.write_part("peer", _peer_part(bench))
     rec = bench.assemble()
     assert rec["env"]["gpu"] == "Some GPU 80GB"
     assert "GPU: Some GPU 80GB" in (tmp_path / "bench.md").read_text()
@@ -382,27 +391,13 @@ def test_a_peer_part_belongs_to_every_run_on_the_same_model_sampling_and_code(be
     # The peer runs the checkpoint as stored, so the jspec engines' knobs do not touch it: a
     # peer part measured without --batch-invariant enters a run with it; another sampling's does
     # not, and the record says why.
-    import argparse
-
-    from jspec.bench.run import Bench, add_bench_parser
-    target_dir, draft_dir = bench_pair
-    parser = argparse.ArgumentParser(prog="jspec")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-
-    def bench(*extra):
-        args = parser.parse_args(["bench", "--model", str(target_dir), "--draft", str(draft_dir),
-                                  "--out", str(tmp_path), "--workloads", "peer", "--no-progress",
-                                  *extra])
-        return Bench(args, ["peer"])
-
-    plain = bench()
-    plain.write_part("peer", {"part": "peer", "key": plain.key, "workload": "solo", "status": "ok",
-                              "reason": None, "device": "Some GPU", "tokens_per_s": 100.0})
-    parts, warnings = bench("--batch-invariant", "--prefill-chunk", "512").read_parts()
+    plain = _bench(bench_pair, tmp_path)
+    plain.write_part("peer", _peer_part(plain))
+    parts, warnings = _bench(bench_pair, tmp_path, "--batch-invariant", "--prefill-chunk", "512").read_parts()
     assert parts["peer"]["tokens_per_s"] == 100.0 and not warnings
-    parts, warnings = bench("--sampling", "greedy").read_parts()
+    parts, warnings = _bench(bench_pair, tmp_path, "--sampling", "greedy").read_parts()
     assert "peer" not in parts and "differs in sampling" in warnings[0]
     # Engine parts still need the whole key.
     plain.write_part("solo", {"part": "solo", "key": plain.key})
-    parts, warnings = bench("--batch-invariant").read_parts()
+    parts, warnings = _bench(bench_pair, tmp_path, "--batch-invariant").read_parts()
     assert "solo" not in parts and "batch_invariant" in warnings[0]
