@@ -1,0 +1,94 @@
+"""scripts/specscore_model.py: the what-if gives back a real record at its own tau, and moves as
+its model says when the acceptance or the verify width changes."""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from script_loader import load_script
+
+sm = load_script("specscore_model")
+RUN = Path(__file__).resolve().parent.parent / "docs/results/2026-12-06-h100-bench"
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return sm.read_parts(RUN / "parts")
+
+
+def test_at_the_measured_tau_it_is_the_record(parts):
+    record = json.loads((RUN / "bench.json").read_text())
+    got = sm.model(parts, parts["solo"]["verify"]["tau"])
+    for w in sm.WORKLOADS:
+        assert got["taus"][w] == pytest.approx(parts[w]["verify"]["tau"], rel=1e-6)
+        assert got["ratios"][w] == pytest.approx(record["ratios"][w]["ratio"], rel=1e-6)
+    assert got["specscore"] == pytest.approx(record["specscore"], rel=1e-6)
+
+
+def test_more_acceptance_more_speed_up_to_the_rest_of_the_pass(parts):
+    scores = [sm.model(parts, t)["specscore"] for t in (2.5, 3.0, 4.0, 6.0, 8.0)]
+    assert scores == sorted(scores) and scores[0] < scores[-1]
+    top = sm.model(parts, 8.0)
+    for w in ("team", "busy"):  # 3 drafts: never more than 4 tokens a step
+        assert top["taus"][w] <= 4.0 + 1e-9
+    # Busy's bound: stock's time over the speculative pass without its decode wait.
+    bound = max(spec_tokens / rest / stock_tps
+                for stock_tps, spec_tokens, rest, _ in sm.pass_pairs(parts["busy"]))
+    assert top["ratios"]["busy"] < bound
+
+
+def test_solo_tau_for_inverts_the_model(parts):
+    need = sm.solo_tau_for(parts, 2.0)
+    assert 3.0 < need < 8.0
+    assert sm.model(parts, need)["specscore"] == pytest.approx(2.0, abs=1e-6)
+    assert sm.solo_tau_for(parts, 50.0) is None
+
+
+def _sweep(parts, cost_at_7):
+    rows = []
+    for w in ("team", "busy"):
+        lanes, ctx = parts[w]["spec"]["lanes"], parts[w]["prompt_tokens"]["mean"]
+        rows += [{"lanes": lanes, "context": ctx, "num_draft": 3, "iteration_ms": 10.0},
+                 {"lanes": lanes, "context": ctx, "num_draft": 7, "iteration_ms": 10.0 * cost_at_7}]
+    return {"spec": rows}
+
+
+def test_a_width_sweep_picks_the_width_that_pays(parts):
+    free = sm.model(parts, 4.0, _sweep(parts, 1.0))    # 7 drafts at 3's cost: always wider
+    dear = sm.model(parts, 4.0, _sweep(parts, 10.0))   # 7 drafts at ten times: never
+    plain = sm.model(parts, 4.0)
+    for w in ("team", "busy"):
+        assert free["widths"][w] == 7 and free["ratios"][w] > plain["ratios"][w]
+        assert dear["widths"][w] == 3 and dear["ratios"][w] == pytest.approx(plain["ratios"][w])
+    assert free["widths"]["solo"] == plain["widths"]["solo"] == 7
+
+
+def test_the_iteration_cost_scales_the_decode_wait_only(parts):
+    part = copy.deepcopy(parts["team"])
+    tau = part["verify"]["tau"]
+    slow = sm.workload_ratio(part, tau, cost=2.0)
+    stock_tps, spec_tokens, rest, wait = sm.pass_pairs(part)[0]
+    assert sm.workload_ratio({**part, "passes": part["passes"][:2]}, tau, 2.0) == pytest.approx(
+        spec_tokens / (rest + 2 * wait) / stock_tps)
+    assert slow < sm.workload_ratio(part, tau)
+
+
+def test_the_cli_names_bad_input(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sm.main(["--parts", str(RUN / "parts"), "--solo-taus", "3,x"])
+    assert "--solo-taus: not a comma list" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sm.main(["--parts", str(RUN / "parts"), "--solo-taus", "9"])
+    assert "must be in [1, 8]" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="busy.json is missing"):
+        (tmp_path / "solo.json").write_text("{}")
+        (tmp_path / "team.json").write_text("{}")
+        sm.main(["--parts", str(tmp_path)])
+    out = tmp_path / "m.json"
+    assert sm.main(["--parts", str(RUN / "parts"), "--solo-taus", "2.5,4", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [r["solo_tau"] for r in record["rows"]] == [2.5, 4.0]
+    assert math.isfinite(record["rows"][1]["specscore"])
