@@ -16,7 +16,7 @@ A better drafter makes wider verifies pay at team and busy. With `--width-sweep`
 bench_steps.py record with spec rows at several --num-draft), each of team and busy may verify
 any width of the sweep: its iterations then cost t(n) / t(n0) as many milliseconds (the sweep's
 row at the workload's lanes and nearest context, n0 the record's width), and the model keeps the
-width with the best ratio.
+width with the best ratio. `--prefill-speedup F` divides both engines' prefill time by F.
 
 An estimate, not a measurement: lane use is held as measured (a better drafter also shortens the
 drain, which this ignores), so is the cost of an iteration (or its ratio from the sweep, which
@@ -34,6 +34,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drain_replay import solve_alpha, tau_at  # noqa: E402
@@ -52,23 +53,39 @@ def read_parts(parts_dir: Path) -> dict:
     return parts
 
 
-def pass_pairs(part: dict) -> list[tuple[float, float, float, float]]:
-    """(stock tokens/s, spec tokens, spec rest s, spec decode wait s) for each pass index."""
+class PassPair(NamedTuple):
+    """One pass index of a workload: what the model keeps and what it scales."""
+    stock_tokens: int
+    stock_wall_s: float
+    stock_prefill_s: float
+    spec_tokens: int
+    spec_rest_s: float      # the speculative pass outside its decode dispatches' device wait
+    spec_wait_s: float      # that wait: what acceptance and the iteration's cost scale
+    spec_prefill_s: float
+
+
+def pass_pairs(part: dict) -> list[PassPair]:
     by = lambda engine: sorted((p for p in part["passes"] if p["engine"] == engine),
                                key=lambda p: p["index"])
     pairs = []
     for stock, spec in zip(by("stock"), by("spec")):
         wait = spec["engine_time"]["wait_s"]
-        pairs.append((stock["tokens_per_s"], spec["tokens"], spec["wall_s"] - wait, wait))
+        pairs.append(PassPair(stock["tokens"], stock["wall_s"], stock["engine_time"]["prefill_s"],
+                              spec["tokens"], spec["wall_s"] - wait, wait,
+                              spec["engine_time"]["prefill_s"]))
     return pairs
 
 
-def workload_ratio(part: dict, tau_new: float, cost: float = 1.0) -> float:
-    """The median pass ratio with the decode wait scaled to tau_new, and each iteration costing
-    `cost` times the measured one."""
+def workload_ratio(part: dict, tau_new: float, cost: float = 1.0,
+                   prefill_speedup: float = 1.0) -> float:
+    """The median pass ratio with the decode wait scaled to tau_new, each iteration costing
+    `cost` times the measured one, and both engines' prefill `prefill_speedup` times faster."""
     scale = part["verify"]["tau"] / tau_new * cost
-    return statistics.median(spec_tokens / (rest + wait * scale) / stock_tps
-                             for stock_tps, spec_tokens, rest, wait in pass_pairs(part))
+    cut = 1.0 - 1.0 / prefill_speedup
+    return statistics.median(
+        (p.spec_tokens / (p.spec_rest_s - p.spec_prefill_s * cut + p.spec_wait_s * scale))
+        / (p.stock_tokens / (p.stock_wall_s - p.stock_prefill_s * cut))
+        for p in pass_pairs(part))
 
 
 def width(part: dict) -> int:
@@ -97,31 +114,34 @@ def width_costs(sweep: dict, part: dict) -> dict[int, float]:
     return {n: t / ms[width(part)] for n, t in ms.items()}
 
 
-def model(parts: dict, solo_tau: float, sweep: dict | None = None) -> dict:
+def model(parts: dict, solo_tau: float, sweep: dict | None = None,
+          prefill_speedup: float = 1.0) -> dict:
     alphas = workload_alphas(parts, solo_tau)
     taus, ratios, widths = {}, {}, {}
     for w in WORKLOADS:
         costs = {width(parts[w]): 1.0}
         if sweep is not None and w != "solo":  # solo verifies all 7 on its decode kernels
             costs.update(width_costs(sweep, parts[w]))
-        best = max(costs, key=lambda n: workload_ratio(parts[w], float(tau_at(alphas[w], n)),
-                                                       costs[n]))
-        widths[w], taus[w] = best, float(tau_at(alphas[w], best))
-        ratios[w] = workload_ratio(parts[w], taus[w], costs[best])
+        def ratio(n):
+            return workload_ratio(parts[w], float(tau_at(alphas[w], n)), costs[n], prefill_speedup)
+        best = max(costs, key=ratio)
+        widths[w], taus[w], ratios[w] = best, float(tau_at(alphas[w], best)), ratio(best)
     return {"solo_tau": solo_tau, "taus": taus, "widths": widths, "ratios": ratios,
             "specscore": math.prod(ratios.values()) ** (1 / 3)}
 
 
-def solo_tau_for(parts: dict, target: float, sweep: dict | None = None) -> float | None:
+def solo_tau_for(parts: dict, target: float, sweep: dict | None = None,
+                 prefill_speedup: float = 1.0) -> float | None:
     """The least solo tau whose modelled SpecScore reaches `target`; None if even a drafter
     that is always accepted (tau = drafts + 1 at every width) does not."""
     top = int(round(parts["solo"]["verify"]["drafts_per_step"])) + 1
-    if model(parts, top, sweep)["specscore"] < target:
+    score = lambda t: model(parts, t, sweep, prefill_speedup)["specscore"]
+    if score(top) < target:
         return None
     lo, hi = 1.0, float(top)
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if model(parts, mid, sweep)["specscore"] < target else (lo, mid)
+        lo, hi = (mid, hi) if score(mid) < target else (lo, mid)
     return hi
 
 
@@ -133,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=2.4, help="the SpecScore to solve for")
     ap.add_argument("--width-sweep", help="bench_steps.py JSON with spec rows at several "
                     "--num-draft: team and busy may then verify any of its widths")
+    ap.add_argument("--prefill-speedup", type=float, default=1.0,
+                    help="both engines' prefill this many times faster (what-if; 1 = as measured)")
     ap.add_argument("--out", help="JSON record of the table")
     args = ap.parse_args(argv)
     try:
@@ -140,12 +162,14 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--solo-taus: not a comma list of numbers: {args.solo_taus!r}")
     parts = read_parts(Path(args.parts))
+    if not args.prefill_speedup >= 1.0:
+        ap.error(f"--prefill-speedup must be >= 1, got {args.prefill_speedup}")
     sweep = json.loads(Path(args.width_sweep).read_text()) if args.width_sweep else None
     top = int(round(parts["solo"]["verify"]["drafts_per_step"])) + 1
     if any(not 1.0 <= t <= top for t in taus):
         ap.error(f"--solo-taus: each must be in [1, {top}] (solo verifies {top - 1} drafts)")
 
-    rows = [model(parts, t, sweep) for t in taus]
+    rows = [model(parts, t, sweep, args.prefill_speedup) for t in taus]
     measured = {w: parts[w]["verify"]["tau"] for w in WORKLOADS}
     print(f"measured tau: " + ", ".join(f"{w} {measured[w]:.3f}" for w in WORKLOADS))
     print("| solo tau | team tau (drafts) | busy tau (drafts) | solo | team | busy | SpecScore |")
@@ -154,11 +178,12 @@ def main(argv=None) -> int:
         t, q, n = r["taus"], r["ratios"], r["widths"]
         print(f"| {t['solo']:.2f} | {t['team']:.2f} ({n['team']}) | {t['busy']:.2f} ({n['busy']}) | "
               f"{q['solo']:.2f} | {q['team']:.2f} | {q['busy']:.2f} | {r['specscore']:.3f} |")
-    need = solo_tau_for(parts, args.target, sweep)
+    need = solo_tau_for(parts, args.target, sweep, args.prefill_speedup)
     print(f"SpecScore {args.target}: " + (f"solo tau {need:.2f}" if need is not None else
                                         "not reached even when every draft is accepted"))
     if args.out:
         Path(args.out).write_text(json.dumps({"parts": args.parts, "width_sweep": args.width_sweep,
+                                              "prefill_speedup": args.prefill_speedup,
                                               "measured_tau": measured,
                                               "rows": rows, "target": args.target,
                                               "solo_tau_for_target": need}, indent=1))

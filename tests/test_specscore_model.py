@@ -34,8 +34,8 @@ def test_more_acceptance_more_speed_up_to_the_rest_of_the_pass(parts):
     for w in ("team", "busy"):  # 3 drafts: never more than 4 tokens a step
         assert top["taus"][w] <= 4.0 + 1e-9
     # Busy's bound: stock's time over the speculative pass without its decode wait.
-    bound = max(spec_tokens / rest / stock_tps
-                for stock_tps, spec_tokens, rest, _ in sm.pass_pairs(parts["busy"]))
+    bound = max(p.spec_tokens / p.spec_rest_s / (p.stock_tokens / p.stock_wall_s)
+                for p in sm.pass_pairs(parts["busy"]))
     assert top["ratios"]["busy"] < bound
 
 
@@ -69,11 +69,27 @@ def test_the_iteration_cost_scales_the_decode_wait_only(parts):
     part = parts["team"]
     tau = part["verify"]["tau"]
     slow = sm.workload_ratio(part, tau, cost=2.0)
-    stock_tps, spec_tokens, rest, wait = sm.pass_pairs(part)[0]
-    first = [p for p in part["passes"] if p["index"] == 0]  # pass 0 of both engines
+    p = sm.pass_pairs(part)[0]
+    first = [x for x in part["passes"] if x["index"] == 0]  # pass 0 of both engines
     assert sm.workload_ratio({**part, "passes": first}, tau, 2.0) == pytest.approx(
-        spec_tokens / (rest + 2 * wait) / stock_tps)
+        p.spec_tokens / (p.spec_rest_s + 2 * p.spec_wait_s) / (p.stock_tokens / p.stock_wall_s))
     assert slow < sm.workload_ratio(part, tau)
+
+
+def test_a_faster_prefill_lifts_busy_most(parts):
+    tau = parts["solo"]["verify"]["tau"]
+    base, fast = sm.model(parts, tau), sm.model(parts, tau, prefill_speedup=2.0)
+    gain = {w: fast["ratios"][w] / base["ratios"][w] for w in sm.WORKLOADS}
+    assert all(g > 1.0 for g in gain.values())
+    assert gain["busy"] == max(gain.values())  # half of busy's pass is prefill
+    # Pass 0 by hand: prefill halved in both engines, the rest as measured.
+    p = sm.pass_pairs(parts["busy"])[0]
+    first = [x for x in parts["busy"]["passes"] if x["index"] == 0]
+    want = (p.spec_tokens / (p.spec_rest_s + p.spec_wait_s - p.spec_prefill_s / 2)) / (
+        p.stock_tokens / (p.stock_wall_s - p.stock_prefill_s / 2))
+    got = sm.workload_ratio({**parts["busy"], "passes": first}, parts["busy"]["verify"]["tau"],
+                            prefill_speedup=2.0)
+    assert got == pytest.approx(want)
 
 
 def test_the_cli_names_bad_input(tmp_path, capsys):
@@ -83,6 +99,9 @@ def test_the_cli_names_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sm.main(["--parts", str(RUN / "parts"), "--solo-taus", "9"])
     assert "must be in [1, 8]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sm.main(["--parts", str(RUN / "parts"), "--prefill-speedup", "0.5"])
+    assert "--prefill-speedup must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="busy.json is missing"):
         (tmp_path / "solo.json").write_text("{}")
         (tmp_path / "team.json").write_text("{}")
