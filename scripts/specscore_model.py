@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +37,9 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drain_replay import solve_alpha, tau_at  # noqa: E402
+
+from jspec.bench.gate import geometric_mean
+from jspec.bench.report import paired_passes
 
 WORKLOADS = ("solo", "team", "busy")
 
@@ -65,10 +67,8 @@ class PassPair(NamedTuple):
 
 
 def pass_pairs(part: dict) -> list[PassPair]:
-    by = lambda engine: sorted((p for p in part["passes"] if p["engine"] == engine),
-                               key=lambda p: p["index"])
     pairs = []
-    for stock, spec in zip(by("stock"), by("spec")):
+    for stock, spec in paired_passes(part):
         wait = spec["engine_time"]["wait_s"]
         pairs.append(PassPair(stock["tokens"], stock["wall_s"], stock["engine_time"]["prefill_s"],
                               spec["tokens"], spec["wall_s"] - wait, wait,
@@ -127,14 +127,14 @@ def model(parts: dict, solo_tau: float, sweep: dict | None = None,
         best = max(costs, key=ratio)
         widths[w], taus[w], ratios[w] = best, float(tau_at(alphas[w], best)), ratio(best)
     return {"solo_tau": solo_tau, "taus": taus, "widths": widths, "ratios": ratios,
-            "specscore": math.prod(ratios.values()) ** (1 / 3)}
+            "specscore": geometric_mean([ratios[w] for w in WORKLOADS])}
 
 
 def solo_tau_for(parts: dict, target: float, sweep: dict | None = None,
                  prefill_speedup: float = 1.0) -> float | None:
     """The least solo tau whose modelled SpecScore reaches `target`; None if even a drafter
     that is always accepted (tau = drafts + 1 at every width) does not."""
-    top = int(round(parts["solo"]["verify"]["drafts_per_step"])) + 1
+    top = width(parts["solo"]) + 1
     score = lambda t: model(parts, t, sweep, prefill_speedup)["specscore"]
     if score(top) < target:
         return None
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     if not args.prefill_speedup >= 1.0:
         ap.error(f"--prefill-speedup must be >= 1, got {args.prefill_speedup}")
     sweep = json.loads(Path(args.width_sweep).read_text()) if args.width_sweep else None
-    top = int(round(parts["solo"]["verify"]["drafts_per_step"])) + 1
+    top = width(parts["solo"]) + 1
     if any(not 1.0 <= t <= top for t in taus):
         ap.error(f"--solo-taus: each must be in [1, {top}] (solo verifies {top - 1} drafts)")
 

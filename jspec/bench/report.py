@@ -51,6 +51,13 @@ def _gate(ok, why: str) -> dict:
     return {"ok": ok is True, "why": None if ok is True else why}
 
 
+def paired_passes(part: dict) -> list[tuple[dict, dict]]:
+    """A workload part's (stock pass, speculative pass) pairs, by pass index."""
+    by = lambda engine: sorted((x for x in part["passes"] if x["engine"] == engine),
+                               key=lambda x: x["index"])
+    return list(zip(by("stock"), by("spec")))
+
+
 def assemble(parts: dict, *, env: dict, warnings: list[str] | None = None,
              config: dict | None = None) -> dict:
     """The record from the parts of one run (any subset of solo / team / busy / peer)."""
@@ -64,9 +71,8 @@ def assemble(parts: dict, *, env: dict, warnings: list[str] | None = None,
             tps[w] = {"stock": None, "spec": None}
             lengths[w] = {"ratio": None, "low": None, "high": None, "ok": False, "why": "not run"}
             continue
-        key = lambda x: x["index"]
-        st = sorted((x for x in p["passes"] if x["engine"] == "stock"), key=key)
-        sp = sorted((x for x in p["passes"] if x["engine"] == "spec"), key=key)
+        pairs = paired_passes(p)
+        st, sp = [a for a, _ in pairs], [b for _, b in pairs]
         pr = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(st, sp)]
         ratio = _median(pr)
         tau = p["verify"]["tau"]
