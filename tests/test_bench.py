@@ -401,3 +401,51 @@ def test_a_peer_part_belongs_to_every_run_on_the_same_model_sampling_and_code(be
     plain.write_part("solo", {"part": "solo", "key": plain.key})
     parts, warnings = _bench(bench_pair, tmp_path, "--batch-invariant").read_parts()
     assert "solo" not in parts and "batch_invariant" in warnings[0]
+
+
+def test_gpu_facts_parses_nvidia_smi_and_never_fails_a_record():
+    import subprocess
+
+    from jspec.bench.run import GPU_FACTS, gpu_facts
+
+    row = "580.65.06, 700.00, 1980, 2619, 1980, 2619, P0, 41, 0x0000000000000000"
+    calls = []
+
+    def fake(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=row + "\n", stderr="")
+
+    facts = gpu_facts(fake)
+    assert list(facts) == list(GPU_FACTS)
+    assert facts["power.limit"] == "700.00" and facts["clocks.max.mem"] == "2619"
+    assert facts["clocks_throttle_reasons.active"] == "0x0000000000000000"
+    assert calls[0][1] == "--query-gpu=" + ",".join(GPU_FACTS)
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    def failing(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 9, stdout="", stderr="no devices")
+
+    def short(cmd, **kw):  # a field this driver does not know would shift every value
+        return subprocess.CompletedProcess(cmd, 0, stdout="580.65.06, 700.00\n", stderr="")
+
+    def hung(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw.get("timeout"))
+
+    for runner in (missing, failing, short, hung):
+        assert gpu_facts(runner) is None, runner.__name__
+
+
+def test_bench_markdown_shows_the_gpu_state_only_when_recorded():
+    from pathlib import Path
+
+    from jspec.bench.report import markdown
+
+    rec = json.loads((Path(__file__).resolve().parent.parent /
+                      "docs/results/2026-12-07-h100-bench-drafter2/bench.json").read_text())
+    assert "GPU state" not in markdown(rec)
+    rec["env"]["gpu_facts"] = {"power.limit": "700.00", "clocks.max.mem": "2619"}
+    md = markdown(rec)
+    assert "GPU state (nvidia-smi): power.limit 700.00, clocks.max.mem 2619" in md
+    assert md.index("GPU: NVIDIA H100") < md.index("GPU state") < md.index("`jspec bench")

@@ -246,8 +246,11 @@ def markdown(rec: dict) -> str:
     out += ["", f"GPU: {env.get('gpu') or env.get('device')} | jax {env.get('jax')} / jaxlib "
             f"{env.get('jaxlib')} | commit {(env.get('commit') or '?')[:12]}"
             f"{' (dirty)' if env.get('dirty') else ''} | {env.get('date')} | sampling "
-            f"{(rec.get('config') or {}).get('sampling', {}).get('name')}",
-            "", f"`{env.get('command')}`", ""]
+            f"{(rec.get('config') or {}).get('sampling', {}).get('name')}"]
+    facts = env.get("gpu_facts")
+    if facts:  # what can make two GPUs of one name decode at different speeds
+        out.append("GPU state (nvidia-smi): " + ", ".join(f"{k} {v}" for k, v in facts.items()))
+    out += ["", f"`{env.get('command')}`", ""]
     out += ["| workload | lanes | prompts | new tokens | pass ratios | ratio | tau | drafts / step "
             "| eta | stock tok/s | spec tok/s | peak MiB stock / spec | length ratio [95 % CI] |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -317,6 +317,30 @@ def triton_route() -> str | None:
     return getattr(sys.modules.get("jspec.kernels.triton_ffi"), "_route", None)
 
 
+# What nvidia-smi reports per GPU that can make two machines of one model decode at different
+# speeds (two H100s gave the stock bar 0.83 and 0.90 on 2026-12-06/07, docs/benchmarks.md).
+GPU_FACTS = ("driver_version", "power.limit", "clocks.max.sm", "clocks.max.mem",
+             "clocks.applications.graphics", "clocks.applications.memory", "pstate",
+             "temperature.gpu", "clocks_throttle_reasons.active")
+
+
+def gpu_facts(runner=subprocess.run) -> dict | None:
+    """The first GPU's GPU_FACTS from nvidia-smi (strings as it prints them, "[N/A]" kept), or
+    None where nvidia-smi is missing or fails: a record must never fail for want of them."""
+    try:
+        res = runner(["nvidia-smi", f"--query-gpu={','.join(GPU_FACTS)}",
+                      "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln for ln in (res.stdout or "").splitlines() if ln.strip()]
+    if res.returncode != 0 or not lines:
+        return None
+    values = [v.strip() for v in lines[0].split(",")]
+    if len(values) != len(GPU_FACTS):
+        return None
+    return dict(zip(GPU_FACTS, values))
+
+
 def copy_bandwidth(nbytes: int, passes: int = 8) -> float:
     """Device-to-device bandwidth (bytes/s): `passes` read + write sweeps of a bf16 array inside
     one jitted loop, in place (donated), median of 5 dispatches. In place and looped so that
@@ -460,6 +484,8 @@ class Bench:
             d = jax.devices()[0]
             env.update(device=d.platform, device_kind=d.device_kind, devices=jax.device_count(),
                        gpu=None if d.platform == "cpu" else d.device_kind)
+            if d.platform == "gpu":
+                env["gpu_facts"] = gpu_facts()
         return env
 
     def config(self) -> dict:
