@@ -436,6 +436,20 @@ def test_gpu_facts_parses_nvidia_smi_and_never_fails_a_record():
     for runner in (missing, failing, short, hung):
         assert gpu_facts(runner) is None, runner.__name__
 
+    asked = []
+
+    def old_driver(cmd, **kw):  # refuses one field, and so any query that names it
+        fields = cmd[1].split("=", 1)[1].split(",")
+        asked.append(fields)
+        if "clocks_throttle_reasons.active" in fields:
+            return subprocess.CompletedProcess(cmd, 2, stdout="", stderr="not a valid field")
+        return subprocess.CompletedProcess(cmd, 0, stdout=", ".join(f"v-{f}" for f in fields), stderr="")
+
+    facts = gpu_facts(old_driver)
+    assert list(facts) == [f for f in GPU_FACTS if f != "clocks_throttle_reasons.active"]
+    assert facts["power.limit"] == "v-power.limit"
+    assert len(asked) == 1 + len(GPU_FACTS)  # the whole query, then one field at a time
+
 
 def test_bench_markdown_shows_the_gpu_state_only_when_recorded():
     from pathlib import Path

@@ -324,11 +324,10 @@ GPU_FACTS = ("driver_version", "power.limit", "clocks.max.sm", "clocks.max.mem",
              "temperature.gpu", "clocks_throttle_reasons.active")
 
 
-def gpu_facts(runner=subprocess.run) -> dict | None:
-    """The first GPU's GPU_FACTS from nvidia-smi (strings as it prints them, "[N/A]" kept), or
-    None where nvidia-smi is missing or fails: a record must never fail for want of them."""
+def _query_gpu(fields, runner) -> list[str] | None:
+    """nvidia-smi's values of `fields` for the first GPU, or None if it is missing or fails."""
     try:
-        res = runner(["nvidia-smi", f"--query-gpu={','.join(GPU_FACTS)}",
+        res = runner(["nvidia-smi", f"--query-gpu={','.join(fields)}",
                       "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -336,9 +335,25 @@ def gpu_facts(runner=subprocess.run) -> dict | None:
     if res.returncode != 0 or not lines:
         return None
     values = [v.strip() for v in lines[0].split(",")]
-    if len(values) != len(GPU_FACTS):
-        return None
-    return dict(zip(GPU_FACTS, values))
+    return values if len(values) == len(fields) else None
+
+
+def gpu_facts(runner=subprocess.run) -> dict | None:
+    """The first GPU's GPU_FACTS from nvidia-smi (strings as it prints them, "[N/A]" kept), or
+    None where nvidia-smi is missing or fails: a record must never fail for want of them. A
+    driver that refuses one field fails the whole query, so the fields are then asked one by
+    one and the refused ones left out."""
+    values = _query_gpu(GPU_FACTS, runner)
+    if values is not None:
+        return dict(zip(GPU_FACTS, values))
+    facts = {}
+    for field in GPU_FACTS:
+        one = _query_gpu((field,), runner)
+        if one is None and not facts and field == GPU_FACTS[0]:
+            return None  # nvidia-smi itself is missing or broken: do not ask eight more times
+        if one is not None:
+            facts[field] = one[0]
+    return facts or None
 
 
 def copy_bandwidth(nbytes: int, passes: int = 8) -> float:
