@@ -349,8 +349,8 @@ def gpu_facts(runner=subprocess.run) -> dict | None:
     facts = {}
     for field in GPU_FACTS:
         one = _query_gpu((field,), runner)
-        if one is None and not facts and field == GPU_FACTS[0]:
-            return None  # nvidia-smi itself is missing or broken: do not ask eight more times
+        if one is None and field == GPU_FACTS[0]:  # driver_version: every driver knows it
+            return None  # so nvidia-smi itself is missing or broken: do not ask eight more times
         if one is not None:
             facts[field] = one[0]
     return facts or None
