@@ -66,7 +66,7 @@ class LLM:
                  max_context: int = 4096, page_size: int = 16, num_pages: int | None = None,
                  decode_steps: int | None = None, prefill_chunk: int = 256, attn_impl: str = "auto",
                  batch_invariant: bool = False, draft_kv_dtype: str | None = None,
-                 draft_weight_dtype: str | None = None,
+                 draft_weight_dtype: str | None = None, draft_linear: str = "xla",
                  draft_vocab: int | None = None, verify_threshold: float = 0.0,
                  verify_rule: str = "block", lookahead_admission: bool = False,
                  progress: bool = False):
@@ -79,6 +79,8 @@ class LLM:
         (half the pool in bf16; changes acceptance only, never the output distribution).
         `draft_weight_dtype`: the drafter's big weights, None (the model's) or "int8" (a scale
         per output channel, the drafter's head rows too: jspec/draft_weights.py; the same).
+        `draft_linear`: the drafter's matmul route, "xla" or "triton" (GPU: jspec's linear
+        kernel, which reads int8 weights itself; EngineConfig.draft_linear; the same).
         `draft_vocab`: the drafter proposes only the N most frequent token ids, ranked in the
         drafter directory's draft_vocab.json (jspec/draft_vocab.py; the same: acceptance only).
         `verify_threshold`: DSpark's prefix rule; each step verifies only the drafts whose
@@ -107,6 +109,8 @@ class LLM:
             raise ValueError("draft_kv_dtype needs a draft model (it is the drafter's KV pool)")
         elif draft_weight_dtype is not None:
             raise ValueError("draft_weight_dtype needs a draft model")
+        elif draft_linear != "xla":
+            raise ValueError("draft_linear needs a draft model")
         elif draft_vocab is not None:
             raise ValueError("draft_vocab needs a draft model")
         elif verify_threshold:
@@ -126,8 +130,8 @@ class LLM:
             max_lanes=max_lanes, page_size=page_size, max_context=max_context, num_pages=num_pages,
             prefill_chunk=prefill_chunk, decode_steps=decode_steps, attn_impl=attn_impl,
             batch_invariant=batch_invariant, draft_kv_dtype=draft_kv_dtype,
-            draft_weight_dtype=draft_weight_dtype, draft_vocab=draft_vocab,
-            verify_threshold=verify_threshold, verify_rule=verify_rule,
+            draft_weight_dtype=draft_weight_dtype, draft_linear=draft_linear,
+            draft_vocab=draft_vocab, verify_threshold=verify_threshold, verify_rule=verify_rule,
             lookahead_admission=lookahead_admission),
             drafter=drafter, draft_cfg=draft_cfg, num_draft=num_draft_tokens,
             draft_vocab_ids=ranked)

@@ -36,8 +36,8 @@ def _cmd_generate(args) -> int:
     llm = LLM(args.model, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
               max_lanes=args.max_lanes, max_context=args.max_context, attn_impl=args.attn_impl,
               batch_invariant=args.batch_invariant, draft_kv_dtype=args.draft_kv_dtype,
-              draft_weight_dtype=args.draft_weight_dtype, draft_vocab=args.draft_vocab,
-              verify_threshold=args.verify_threshold,
+              draft_weight_dtype=args.draft_weight_dtype, draft_linear=args.draft_linear,
+              draft_vocab=args.draft_vocab, verify_threshold=args.verify_threshold,
               verify_rule=args.verify_rule)
     stream = not args.json and len(prompts) == 1
 
@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-weight-dtype", choices=["int8"], help="with --draft: store the "
                    "drafter's layers, fc and Markov W2 as int8 with a scale per output channel "
                    "(half their reads); changes acceptance only, never the output distribution")
+    p.add_argument("--draft-linear", default="xla", choices=["xla", "triton"], help="with "
+                   "--draft: the drafter's matmuls on XLA's GEMMs (the default) or, on a GPU, "
+                   "jspec's linear kernel, which reads int8 weights itself; speed only, never "
+                   "the output distribution")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="with --draft: the drafter "
                    "proposes only the N most frequent ids (ranked in DRAFT/draft_vocab.json); "
                    "changes acceptance only, never the output distribution")

@@ -10,8 +10,9 @@ The engine keeps the int8 weights (`Int8Weight`, a pytree of the int8 values and
 its parameters, and the drafter's modules hold them as they are: `qwen3.project` (and the fc and
 Markov W2 matmuls) see an Int8Weight and run `int8_linear`: the GEMM reads the values converted
 to the model dtype and the scale multiplies its fp32 output, so that XLA may fuse the convert
-into the GEMM's operand load and read one byte a weight. (`dequantize` widens a whole state, for
-tests and tools.)
+into the GEMM's operand load and read one byte a weight (on the "triton" matmul route,
+EngineConfig.draft_linear, jspec's linear kernel widens the int8 tiles itself). (`dequantize`
+widens a whole state, for tests and tools.)
 
 Quantized: each decoder layer's q/k/v/o and MLP projections, the stacked context K/V weight,
 fc, and markov_w2 (the embedding-like markov_w1 is gathered a row at a time, never read whole). Norms, the gated Markov head's
@@ -24,6 +25,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from jspec.kernels.linear import linear
 
 Array = jax.Array
 
@@ -95,14 +98,16 @@ def quantize_int8(w: Array, reduced_axes: tuple[int, ...]) -> Int8Weight:
     return Int8Weight(values, scale, jnp.dtype(w.dtype).name)
 
 
-def int8_linear(x: Array, w: Int8Weight, linear_fn) -> Array:
-    """x [..., K] through w [N, K] -> fp32 [..., N]: the matmul reads the int8 values converted
-    to x's dtype (exact: |v| <= 127 fits bf16's 8 significant bits) and the scale multiplies the
-    fp32 output, so the only op between the int8 array and the GEMM is a convert, which XLA
-    can fuse into the GEMM's operand load. (Scaling the weight first, as `widen` does, made XLA
-    write a bf16 copy of every weight each iteration: 1.5 ms slower on the H100, 2026-12-06.)"""
-    y = linear_fn(x, w.values.astype(x.dtype))
-    return y * w.scale.reshape(-1).astype(jnp.float32)
+def int8_linear(x: Array, w: Int8Weight, impl: str = "xla") -> Array:
+    """x [..., K] through w [N, K] -> fp32 [..., N] on the matmul route `impl`
+    (kernels/linear.py): the GEMM reads the int8 values as x's dtype (exact: |v| <= 127 fits
+    bf16's 8 significant bits) and the scale multiplies the fp32 output. "xla": the only op
+    between the int8 array and the GEMM is a convert, which XLA can fuse into the GEMM's
+    operand load (scaling the weight first, as `widen` does, made XLA write a bf16 copy of every
+    weight each iteration: 1.5 ms slower on the H100, 2026-12-06). "triton": the values go to
+    jspec's linear kernel as they are, which widens each tile as it loads it."""
+    values = w.values if impl == "triton" else w.values.astype(x.dtype)
+    return linear(x, values, impl) * w.scale.reshape(-1).astype(jnp.float32)
 
 
 def widen(w: Int8Weight) -> Array:

@@ -128,6 +128,9 @@ class DSparkConfig:
 class DSparkDrafter(nnx.Module):
     def __init__(self, cfg: DSparkConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        # the matmul route of fc, the context K/V and the Markov W2 (the layers have their own;
+        # qwen3.fuse_projections sets all of them): kernels/linear.py
+        self.linear_impl = "xla"
         lc = cfg.layers
         dtype = jnp.dtype(lc.dtype)
         D, V, r = lc.hidden_size, lc.vocab_size, cfg.markov_rank
@@ -152,7 +155,7 @@ class DSparkDrafter(nnx.Module):
         """Target taps (each [..., D], in target_layer_ids order) -> fused context [..., D]."""
         features = jnp.concatenate(taps, axis=-1)
         # project: fp32 out, rounded once; an int8 fc (draft_weight_dtype) is scaled after the GEMM
-        return self.hidden_norm(project(features, self.fc[...]).astype(features.dtype))
+        return self.hidden_norm(project(features, self.fc[...], self.linear_impl).astype(features.dtype))
 
     def fuse_context_kv(self) -> None:
         """Serving layout (the engine's): every layer's k_proj and v_proj stacked once into
@@ -173,12 +176,13 @@ class DSparkDrafter(nnx.Module):
     def context_kv(self, context_btd: Array, positions_bt: Array) -> list[tuple[Array, Array]]:
         """Per draft layer, the K/V [B,T,Hkv,hd] of fused context rows at their positions."""
         if hasattr(self, "context_kv_proj"):  # one GEMM: [..., L x 2 x Hkv, hd] fp32
-            parts = jnp.split(project(context_btd, self.context_kv_proj[...]),
+            parts = jnp.split(project(context_btd, self.context_kv_proj[...], self.linear_impl),
                               2 * len(self.layers), axis=-2)
             raw = [(parts[2 * i], parts[2 * i + 1]) for i in range(len(self.layers))]
         else:
-            raw = [(project(context_btd, layer.self_attn.k_proj[...]),
-                    project(context_btd, layer.self_attn.v_proj[...])) for layer in self.layers]
+            raw = [(project(context_btd, layer.self_attn.k_proj[...], self.linear_impl),
+                    project(context_btd, layer.self_attn.v_proj[...], self.linear_impl))
+                   for layer in self.layers]
         out = []
         for layer, (k, v) in zip(self.layers, raw):
             attn = layer.self_attn
@@ -218,7 +222,7 @@ class DSparkDrafter(nnx.Module):
                                              preferred_element_type=jnp.float32)
                                   + self.markov_gate_bias[...].astype(jnp.float32))
             e = (gate * e.astype(jnp.float32)).astype(e.dtype)
-        return project(e, self.markov_w2[...] if w2_rows is None else w2_rows)  # fp32
+        return project(e, self.markov_w2[...] if w2_rows is None else w2_rows, self.linear_impl)  # fp32
 
     def confidence_logits(self, hidden: Array, prev_tokens: Array) -> Array:
         """z_k = w . [h_k ; W1[x_{k-1}]] + b (a logit; sigmoid gives the acceptance estimate)."""

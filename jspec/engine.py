@@ -30,7 +30,7 @@ from flax import nnx
 from jspec.config import Qwen3Config
 from jspec.draft_vocab import DraftVocab, choose_ids
 from jspec.draft_weights import DRAFT_WEIGHT_DTYPES, quantize_drafter_state, quantize_int8
-from jspec.kernels.linear import check_impl
+from jspec.kernels.linear import LINEAR_IMPLS, check_impl, require_triton_gpu
 from jspec.paged_cache import NULL_PAGE, CacheShape, PageAllocator, init_kv_caches
 from jspec.qwen3 import Qwen3, fuse_projections
 from jspec.rejection import check_rule
@@ -137,6 +137,13 @@ class EngineConfig:
     # about half the bytes an iteration reads for them. As with draft_kv_dtype, only the
     # proposals change, never the output law; a stock engine ignores it.
     draft_weight_dtype: str | None = None
+    # The drafter's matmul route (its layers' projections, fc, context K/V, Markov W2 and its
+    # int8 head rows; kernels/linear.py): "xla" (XLA's GEMMs; int8 weights as a convert fused
+    # into the GEMM's operand load) or "triton" (jspec's linear kernel, GPU only, which also
+    # reads int8 weights itself, widening each tile as it loads it). The drafter's norms stay
+    # on XLA either way. Only the proposals' speed (and, through rounding, the proposals) may
+    # change, never the output law; a stock engine ignores it.
+    draft_linear: str = "xla"
     # The decode step loop stops once every lane has ended (steps.Programs), so a dispatch
     # wastes no steps after its replies end; it is compiled with WHILE / CONDITIONAL command
     # buffers so that XLA may run the loop as one CUDA graph (not yet confirmed on the H200:
@@ -182,6 +189,9 @@ class EngineConfig:
         if self.draft_weight_dtype not in DRAFT_WEIGHT_DTYPES:
             raise ValueError(f"draft_weight_dtype must be one of {DRAFT_WEIGHT_DTYPES} (None: the "
                              f"model dtype), got {self.draft_weight_dtype!r}")
+        if self.draft_linear not in LINEAR_IMPLS:
+            raise ValueError(f"draft_linear must be one of {LINEAR_IMPLS}, got "
+                             f"{self.draft_linear!r}")
         if self.invariant_prefill and not self.batch_invariant:
             raise ValueError("invariant_prefill needs batch_invariant (without it every route is "
                              "XLA's)")
@@ -264,7 +274,11 @@ class Engine:
             prefill_graphdef = nnx.split(model)[0]
         fuse_projections(model, linear_impl=linear_impl)
         if drafter is not None:
-            fuse_projections(drafter, qkv=False)
+            if engine_cfg.draft_linear == "triton":
+                require_triton_gpu("draft_linear='triton' (the drafter's matmuls on jspec's "
+                                   "linear kernel)")
+            fuse_projections(drafter, qkv=False, linear_impl=engine_cfg.draft_linear,
+                             norm_impl="xla")
             drafter.fuse_context_kv()
         graphdef, target_params = nnx.split(model)
         self.cache_shape = CacheShape(cfg.num_layers, engine_cfg.total_pages(), engine_cfg.page_size,

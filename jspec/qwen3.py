@@ -76,7 +76,7 @@ def project(x: Array, w: Array, impl: str = "xla") -> Array:
     fp32 [..., N...]. Every projection of the model goes through here (kernels/linear.py). An
     int8 drafter weight (jspec/draft_weights.py) is scaled after the GEMM."""
     if isinstance(w, Int8Weight):
-        y = int8_linear(x, w.reshape(-1, w.shape[-1]), lambda a, b: linear(a, b, impl))
+        y = int8_linear(x, w.reshape(-1, w.shape[-1]), impl)
         return y.reshape(x.shape[:-1] + w.shape[:-1])
     y = linear(x, w.reshape(-1, w.shape[-1]), impl)
     return y.reshape(x.shape[:-1] + w.shape[:-1])
@@ -192,18 +192,20 @@ class MLP(nnx.Module):
         return project_partials(act, self.down_proj[...], impl)
 
 
-def fuse_projections(model, *, qkv: bool = True, linear_impl: str = "xla") -> None:
+def fuse_projections(model, *, qkv: bool = True, linear_impl: str = "xla",
+                     norm_impl: str | None = None) -> None:
     """Serving layout, in place, for a target or a drafter: gate+up (and q+k+v when `qkv`) of
     every decoder layer become one weight each, one layer at a time (peak memory grows by one
-    layer's projections), and its matmuls and RMSNorms run on `linear_impl` ("xla" | "triton",
-    see kernels/linear.py and kernels/reductions.py). Checkpoint keys map to the unfused
-    layout; training and conversion use it. The drafter keeps q/k/v apart: its context path
-    reads k_proj and v_proj alone."""
+    layer's projections), and its matmuls run on `linear_impl` ("xla" | "triton", see
+    kernels/linear.py), its RMSNorms on `norm_impl` (kernels/reductions.py; None: the matmuls'
+    route, which batch invariance needs). Checkpoint keys map to the unfused layout; training
+    and conversion use it. The drafter keeps q/k/v apart: its context path reads k_proj and
+    v_proj alone."""
     for layer in model.layers:
         layer.mlp.fuse()
         if qkv:
             layer.self_attn.fuse()
-    _set_linear_impl(model, linear_impl)
+    _set_linear_impl(model, linear_impl, norm_impl)
 
 
 def unfuse_projections(model) -> None:
@@ -218,18 +220,21 @@ def unfuse_projections(model) -> None:
     _set_linear_impl(model, "xla")
 
 
-def _set_linear_impl(model, impl: str) -> None:
-    """The matmuls and the RMSNorms of every decoder layer (and the target's final norm and
-    lm_head) on `impl`: batch invariance needs both (kernels/reductions.py says why). A
-    drafter's own hidden_norm and norm stay on XLA: its draws need no invariance."""
+def _set_linear_impl(model, impl: str, norm_impl: str | None = None) -> None:
+    """The matmuls of every decoder layer (and the target's lm_head, a drafter's fc, context
+    K/V and Markov W2) on `impl`, the layers' RMSNorms (and the target's final norm) on
+    `norm_impl` (None: `impl`): batch invariance needs both on "triton" (kernels/reductions.py
+    says why). A drafter's own hidden_norm and norm stay on XLA: its draws need no invariance."""
+    norm_impl = impl if norm_impl is None else norm_impl
     for layer in model.layers:
         attn = layer.self_attn
         layer.mlp.linear_impl = attn.linear_impl = impl
         for norm in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm,
                      attn.k_norm):
-            norm.impl = impl
+            norm.impl = norm_impl
+    model.linear_impl = impl
     if isinstance(model, Qwen3):
-        model.linear_impl = model.norm.impl = impl
+        model.norm.impl = norm_impl
 
 
 class DecoderLayer(nnx.Module):

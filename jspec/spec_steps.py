@@ -173,7 +173,7 @@ class SpecPrograms(Programs):
             head = vocab.head
         # U, fp32: the target's own head, or the drafter's rows (bf16 or int8) on XLA's GEMM.
         base_bkv = (target.logits(hidden_bkd_used) if head is None
-                    else project(hidden_bkd_used, head))
+                    else project(hidden_bkd_used, head, drafter.linear_impl))
         w2_rows = None if vocab is None else vocab.markov_w2
         prev = state.tokens
         # Block verification's outcome reads every draft, so its drafts' keys are fresh per round.

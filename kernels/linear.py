@@ -7,7 +7,9 @@
             XLA picks its GEMM by shape, so a row's bits depend on how many rows share the GEMM.
   "triton"  linear_triton.py: batch-invariant (a row's bits never depend on the row count), so
             speculative verify (8 rows per lane) and stock decode (1 row) compute the target
-            identically. GPU only, through jax-triton.
+            identically. GPU only, through jax-triton. w may also be int8 values (the drafter's
+            weight-only int8, jspec/draft_weights.py): widened tile by tile inside the kernel,
+            y = x @ values^T unscaled.
 """
 
 from __future__ import annotations

@@ -138,7 +138,11 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr,
     SPLIT_SERIAL (one row block, SPLIT_K > 1): no split axis; the program walks the SPLIT_K runs
     one after another, each from a zero accumulator as above, and adds them in split order into
     y: the split grid's partials and `combine`, the same dots and fp32 adds, without the
-    partials' round trip through memory (wide GEMMs, which have programs enough)."""
+    partials' round trip through memory (wide GEMMs, which have programs enough).
+    int8 weights (the drafter's weight-only int8, jspec/draft_weights.py): each tile is widened
+    to x's dtype as it is loaded (exact: |v| <= 127), so the GEMM reads one byte a weight and
+    writes no widened copy; y is then x @ values^T, unscaled (the caller scales it). For a
+    weight already in x's dtype the widening is no conversion at all: the same kernel."""
     BLOCKS: tl.constexpr = BLOCK_M // DOT_M
     PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"  # tf32: the default (bf16: unused)
     K_SPLIT: tl.constexpr = (K + BLOCK_K * SPLIT_K - 1) // (BLOCK_K * SPLIT_K) * BLOCK_K
@@ -158,6 +162,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr,
                 k_ok = k < K
                 w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + k[:, None],
                             mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                w = w.to(x_ptr.dtype.element_ty)  # int8 weights widened here; else a no-op
                 x = tl.load(x_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 acc += tl.dot(x, w, input_precision=PRECISION)
             if s == 0:
@@ -179,6 +184,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr,
             k_ok = k < K
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + k[:, None],
                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+            w = w.to(x_ptr.dtype.element_ty)  # int8 weights widened here; else a no-op
             x = tl.load(x_row + k[None, :], mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
             acc0 += tl.dot(x, w, input_precision=PRECISION)
             if BLOCKS > 1:
@@ -442,11 +448,11 @@ def interpreter_enabled() -> bool:
 
 
 def linear_triton(x, w, **tuning):
-    """x [M, K], w [N, K] (same dtype) -> fp32 [M, N] on an NVIDIA GPU, batch-invariant. The
-    keyword overrides (row tile, rows per dot, tile width, warps, stages; see
-    linear_triton_partials) are for tuning: none is meant to change a result's bits (module
-    docstring: checked on the H200 across row tiles). split_k (tuning too) does change them:
-    another split is another sum, as invariant in M."""
+    """x [M, K], w [N, K] (x's dtype, or int8 values: x @ w^T unscaled) -> fp32 [M, N] on an
+    NVIDIA GPU, batch-invariant. The keyword overrides (row tile, rows per dot, tile width,
+    warps, stages; see linear_triton_partials) are for tuning: none is meant to change a
+    result's bits (module docstring: checked on the H200 across row tiles). split_k (tuning
+    too) does change them: another split is another sum, as invariant in M."""
     partials = linear_triton_partials(x, w, **tuning)
     return combine(partials, partials.shape[0])
 
@@ -465,8 +471,9 @@ def linear_triton_partials(x, w, *, block_m: int | None = None, dot_m: int | Non
 
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear: x must be [M, K] and w [N, K], got {x.shape} and {w.shape}")
-    if x.dtype != w.dtype:
-        raise ValueError(f"linear: x and w dtypes differ ({x.dtype}, {w.dtype})")
+    if x.dtype != w.dtype and w.dtype != jnp.int8:
+        raise ValueError(f"linear: w must have x's dtype or be int8 values (weight-only int8), "
+                         f"got x {x.dtype} and w {w.dtype}")
     M, K = x.shape
     N = w.shape[0]
     try:

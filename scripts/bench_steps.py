@@ -4,6 +4,7 @@ and verify-only times, device memory of the drafter and its cache, and the HBM b
 
   python3 scripts/bench_steps.py --out $OUT/steps.json [--lanes 1,16,32] [--contexts 512,4096]
                                 [--draft-kv-dtype float8_e4m3fn] [--draft-weight-dtype int8]
+                                [--draft-linear xla,triton]
 
 `speculation_extra_bytes_at` is the issue's memory target read off the record: drafter weights
 plus the drafter's KV cache for 32 lanes x 4096 tokens, in the pool's actual dtype.
@@ -47,6 +48,8 @@ def main():
                     help="EngineConfig.draft_kv_dtype (default: the model dtype)")
     ap.add_argument("--draft-weight-dtype", choices=["int8"],
                     help="EngineConfig.draft_weight_dtype (default: the model dtype)")
+    ap.add_argument("--draft-linear", default="xla", help="EngineConfig.draft_linear, a list: "
+                    "one speculative engine per route of the drafter's matmuls (xla, triton)")
     ap.add_argument("--draft-vocab", type=int, help="EngineConfig.draft_vocab: the drafter "
                     "proposes from N ids (here the first N)")
     ap.add_argument("--skip-iteration", action="store_true", help="only the draft / verify split")
@@ -157,8 +160,9 @@ def main():
             sampling=SamplingArrays.from_lists([args.temperature] * lanes, [args.top_k] * lanes,
                                                [args.top_p] * lanes, seed=list(range(lanes))))
 
-    def ecfg_for(width, verify_rule="block"):
-        return EngineConfig(verify_rule=verify_rule, max_lanes=max_lanes, page_size=args.page_size,
+    def ecfg_for(width, verify_rule="block", draft_linear="xla"):
+        return EngineConfig(verify_rule=verify_rule, draft_linear=draft_linear,
+                            max_lanes=max_lanes, page_size=args.page_size,
                             max_context=max(contexts) + (args.steps + 1) * width,
                             decode_steps=args.steps, attn_impl=args.attn_impl,
                             batch_invariant=args.batch_invariant,
@@ -197,12 +201,13 @@ def main():
         save()
         print(json.dumps(rec["stock"]))
         return
-    def spec_engine_rows(num_draft, verify_rule):
-        """Time the speculative iteration of an engine that verifies `num_draft` drafts and
-        accepts them by `verify_rule`."""
+    def spec_engine_rows(num_draft, verify_rule, draft_linear):
+        """Time the speculative iteration of an engine that verifies `num_draft` drafts,
+        accepts them by `verify_rule` and runs the drafter's matmuls on `draft_linear`."""
         # Random weights have no frequencies: the draft vocabulary is the first N ids (its cost is
         # what is timed here, not its acceptance).
-        eng = Engine(cfg, target, (), ecfg_for(8, verify_rule), drafter=drafter, draft_cfg=dcfg,
+        eng = Engine(cfg, target, (), ecfg_for(8, verify_rule, draft_linear), drafter=drafter,
+                     draft_cfg=dcfg,
                      num_draft=num_draft,
                      draft_vocab_ids=range(cfg.vocab_size))
         eng.caches = (random_caches(eng.caches[0], 2), random_caches(eng.caches[1], 3))
@@ -245,7 +250,7 @@ def main():
 
                 t = time.perf_counter()
                 r = {"lanes": lanes, "context": ctx, "num_draft": num_draft, "verify_rule": verify_rule,
-                     "verify_rows": lanes * (num_draft + 1)}
+                     "draft_linear": draft_linear, "verify_rows": lanes * (num_draft + 1)}
                 if not args.skip_iteration:
                     dispatch_s, returned_s = dispatch_times(call)
                     r["iteration_ms"] = dispatch_s / args.steps * 1e3
@@ -277,16 +282,17 @@ def main():
 
     for num_draft in [int(v) for v in args.num_draft.split(",")]:
         for verify_rule in args.verify_rules.split(","):
-            spec_engine_rows(num_draft, verify_rule)
+            for draft_linear in args.draft_linear.split(","):
+                spec_engine_rows(num_draft, verify_rule, draft_linear)
     stats = jax.devices()[0].memory_stats() or {}
     rec["peak_device_bytes"] = stats.get("peak_bytes_in_use")
     rec["triton_route"] = triton_route()
     save()
-    print("| lanes | ctx | drafts | rule | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| lanes | ctx | drafts | rule | drafter matmuls | stock step ms | stock tok/s | HBM-bound fraction | spec iteration ms | draft ms | verify ms | iteration / stock step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rec["spec"] or [{}]:
         s = next((x for x in rec["stock"] if x["lanes"] == r.get("lanes") and x["context"] == r.get("context")), {})
-        print(f"| {r.get('lanes', s.get('lanes'))} | {r.get('context', s.get('context'))} | {r.get('num_draft', '-')} | {r.get('verify_rule', '-')} | {s.get('step_ms', float('nan')):.2f} | "
+        print(f"| {r.get('lanes', s.get('lanes'))} | {r.get('context', s.get('context'))} | {r.get('num_draft', '-')} | {r.get('verify_rule', '-')} | {r.get('draft_linear', '-')} | {s.get('step_ms', float('nan')):.2f} | "
               f"{s.get('tokens_per_s', float('nan')):.0f} | {s.get('fraction_of_hbm_bound', float('nan')):.2f} | "
               f"{r.get('iteration_ms', float('nan')):.2f} | {r.get('draft_ms', float('nan')):.2f} | "
               f"{r.get('verify_ms', float('nan')):.2f} | {r.get('iteration_over_stock_step', float('nan')):.2f} |")

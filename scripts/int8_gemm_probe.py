@@ -32,7 +32,7 @@ def main():
     w = (jax.random.normal(jax.random.key(0), (args.n, args.k), jnp.float32) * 0.02).astype(jnp.bfloat16)
     q = quantize_int8(w, (1,))
     bf16 = jax.jit(lambda x, w: linear_xla(x, w))
-    int8 = jax.jit(lambda x, v, s: int8_linear(x, type(q)(v, s, q.dtype), linear_xla))
+    int8 = jax.jit(lambda x, v, s: int8_linear(x, type(q)(v, s, q.dtype), "xla"))
     copy_shape = re.compile(rf"bf16\[{args.n},{args.k}\]")
 
     def timed(fn, *a):

@@ -228,3 +228,25 @@ def test_batch_invariant_engine_verify_equals_decode(shape, invariant_prefill):
         diffs[inv] = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
     assert diffs[True].max() == 0.0, f"mean {diffs[True].mean():.2e}, max {diffs[True].max():.2e}"
     assert diffs[False].max() > 0.0  # negative control: the default kernels round differently
+
+
+@pytest.mark.parametrize("M", [7, 112, 224], ids=["solo", "team", "busy"])
+@pytest.mark.parametrize("N,K", [(24576, 4096), (4096, 12288), (151936, 256)],
+                         ids=["gate_up", "down", "markov_w2"])
+def test_linear_triton_int8_weights_widen_exactly(N, K, M):
+    """The drafter's int8 weights (EngineConfig.draft_linear "triton"): the kernel on the int8
+    values has the bits of the kernel on the same values widened to bf16 beforehand (the
+    in-register widening is exact), at the drafter's row counts, and project() through the
+    route agrees with XLA's int8 route."""
+    from jspec.draft_weights import quantize_int8
+    from jspec.kernels.linear_triton import linear_triton
+    from jspec.qwen3 import project
+    kx, kw = jax.random.split(jax.random.PRNGKey(N + K + M))
+    q = quantize_int8(0.02 * jax.random.normal(kw, (N, K), jnp.float32), (1,))
+    x = jax.random.normal(kx, (M, K), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(linear_triton)
+    np.testing.assert_array_equal(np.asarray(f(x, q.values)),
+                                  np.asarray(f(x, q.values.astype(jnp.bfloat16))))
+    got = np.asarray(jax.jit(lambda x: project(x, q, "triton"))(x))
+    want = np.asarray(jax.jit(lambda x: project(x, q, "xla"))(x))
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())

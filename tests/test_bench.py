@@ -278,7 +278,8 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
                               "--sampling", "qwen", "--peer", "off",
                               "--num-draft-tokens", "solo=3, busy=5",
                               "--verify-threshold", "solo=0.2",
-                              "--draft-weight-dtype", "solo=int8", "--lookahead-admission"])
+                              "--draft-weight-dtype", "solo=int8", "--draft-linear", "solo=xla",
+                              "--lookahead-admission"])
     assert args.func(args) == 0
     rec = json.loads((out / "bench.json").read_text())
     sampling = rec["config"]["sampling"]
@@ -294,6 +295,7 @@ def test_bench_quick_qwen_sampling_compiles_its_variant_in_warmup(bench_pair, tm
     assert key["num_draft_tokens"] == "solo=3,busy=5"
     # Solo's drafter ran with int8 weights (jspec/draft_weights.py), named in the record.
     assert key["draft_weight_dtype"] == "solo=int8" and solo["engine"]["draft_weight_dtype"] == "int8"
+    assert key["draft_linear"] == "solo=xla" and solo["engine"]["draft_linear"] == "xla"
     # DSpark's prefix rule on solo: the record says how many drafts a verify step verified.
     assert key["verify_threshold"] == "solo=0.2" and solo["verify_threshold"] == 0.2
     assert key["verify_rule"] == "block" == solo["verify_rule"]  # the default

@@ -532,6 +532,19 @@ def _patch_interpreter() -> None:
 
     interp.InterpreterBuilder.create_dot = create_dot
 
+    original_cast = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        # Triton 3.6's interpreter casts an integer to bf16 with numpy's astype(uint16), the
+        # bit pattern type it stores bf16 in (an int8 weight widened in-kernel, linear_triton).
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar.is_int():
+            bits = src.data.astype(np.float32).view(np.uint32)
+            nearest_even = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return interp.TensorHandle(nearest_even.astype(np.uint16), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl
+
 
 def _interpret_worker(work: Path) -> None:
     import torch

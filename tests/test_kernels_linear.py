@@ -45,6 +45,22 @@ SERIAL_RAGGED = [(70, 40, 500, 2), (33, 24, 300, 3)]
 TILINGS = [(16, 16, 16), (16, 16, 64), (32, 32, 32), (32, 16, 16), (64, 32, 64), (64, 16, 32),
            (64, 64, 16), (128, 32, 32), (128, 64, 64), (128, 128, 16)]
 SPLIT_TILINGS = [(16, 16, 16), (32, 16, 32), (64, 32, 64), (128, 64, 16)]  # with INV_SPLITS
+# int8 weights (the drafter's weight-only int8): (M, N, K, x dtype, plan overrides): the decode
+# tile, a 2-way split, wide row tiles of two row blocks, the serial split walk, a v3 (wgmma)
+# tile, fp32 FMA dots.
+INT8_CASES = [(5, 40, 300, "bfloat16", dict(block_n=16)),
+              (7, 24, 512, "bfloat16", dict(block_n=16, split_k=2)),
+              (40, 40, 200, "bfloat16", dict(block_m=64, dot_m=32, block_n=32)),
+              (70, 24, 300, "bfloat16", dict(block_m=64, dot_m=64, block_n=16, split_k=3,
+                                             split_serial=True, num_warps=2)),
+              (70, 24, 300, "bfloat16", dict(mma="v3")),
+              (3, 48, 200, "float32", {})]
+# The DSpark-8B drafter's int8 weights as its GEMMs read them ([N, K]: qkv apart, o, gate_up,
+# down, fc, Markov W2, the head rows) at 1, 16 and 32 lanes of 7 block rows.
+DRAFTER_8B = {"q": (4096, 4096), "kv": (1024, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+              "down": (4096, 12288), "fc": (4096, 20480), "markov_w2": (151936, 256),
+              "head": (151936, 4096)}
+DRAFTER_ROWS = (7, 112, 224)
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
             "down": (4096, 12288), "lm_head": (151936, 4096)}
 PLAN_ROWS = (1, 8, 16, 32, 64, 128, 256)  # decode at 1..16 lanes, verify (8-row blocks) up to 32
@@ -119,6 +135,42 @@ def test_linear_row_tilings_give_the_same_bits(interpreted):
         got = interpreted[f"tiling_{bm}_{dm}_{bn}"]
         assert got.shape == base.shape and np.isfinite(got).all()
         np.testing.assert_array_equal(got, base, err_msg=f"block_m={bm} dot_m={dm} block_n={bn}")
+
+
+def _int8_inputs(i, M, N, K, dtype):
+    rng = np.random.default_rng(200 + i)
+    x = rng.normal(size=(M, K)).astype(np.float32)
+    if dtype == "bfloat16":
+        x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return x, rng.integers(-127, 128, size=(N, K)).astype(np.int8)
+
+
+@pytest.mark.parametrize("index", range(len(INT8_CASES)),
+                         ids=[f"M{c[0]}_N{c[1]}_K{c[2]}_{c[3]}_" + "_".join(
+                              f"{k}{v}" for k, v in c[4].items()) for c in INT8_CASES])
+def test_int8_weights_are_widened_exactly_in_the_kernel(interpreted, index):
+    """int8 weight values go through the kernel as they are (the drafter's weight-only int8,
+    jspec/draft_weights.py): each tile widened to x's dtype as it is loaded, so the result has
+    the bits of the same kernel on the values widened beforehand, in every plan shape (split,
+    serial, wide tiles, wgmma, fp32), and the right values: x @ values^T, unscaled."""
+    M, N, K, dtype, _ = INT8_CASES[index]
+    x, v = _int8_inputs(index, M, N, K, dtype)
+    got, widened = interpreted[f"int8_{index}"], interpreted[f"int8_{index}_widened"]
+    assert got.shape == (M, N) and np.isfinite(got).all()
+    np.testing.assert_array_equal(got, widened)
+    want = x.astype(np.float64) @ v.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_linear_refuses_a_weight_of_another_float_dtype():
+    """x and w share a dtype, or w holds int8 values: anything else is refused by name."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    import jax.numpy as jnp
+
+    from jspec.kernels.linear_triton import linear_triton_partials
+    with pytest.raises(ValueError, match="int8 values"):
+        linear_triton_partials(jnp.zeros((2, 16), jnp.bfloat16), jnp.zeros((4, 16), jnp.float32))
 
 
 def test_v3_family_plans_tile_every_row_count(interpreted):
@@ -468,6 +520,12 @@ def _interpret_worker(work: Path) -> None:
             out[f"ragged_{M}_{K}_{sk}_{serial}"] = launch_torch(
                 x, w, block_m=64, dot_m=64, block_n=16, split_k=sk, split_serial=serial,
                 num_warps=2).numpy()
+    for i, (M, N, K, dtype, kw) in enumerate(INT8_CASES):
+        x, v = _int8_inputs(i, M, N, K, dtype)
+        tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        x, v = torch.from_numpy(x).to(tdt), torch.from_numpy(v)
+        out[f"int8_{i}"] = launch_torch(x, v, **kw).numpy()
+        out[f"int8_{i}_widened"] = launch_torch(x, v.to(tdt), **kw).numpy()
     _attention_worker(out)
     np.savez(work / "out.npz", **out)
 
@@ -498,7 +556,7 @@ def _sm90_cases():
     return sorted(cases.values())
 
 
-def _compile_sm90(constexprs, num_warps, num_stages, dtype="bf16"):
+def _compile_sm90(constexprs, num_warps, num_stages, dtype="bf16", w_dtype=None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -506,7 +564,7 @@ def _compile_sm90(constexprs, num_warps, num_stages, dtype="bf16"):
     from jspec.kernels.linear_triton import _kernel, interpreter_enabled
     if interpreter_enabled():
         pytest.skip("TRITON_INTERPRET is set for this process")
-    signature = dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", y_ptr="*fp32",
+    signature = dict(x_ptr=f"*{dtype}", w_ptr=f"*{w_dtype or dtype}", y_ptr="*fp32",
                      **{k: "constexpr" for k in constexprs})
     try:
         return triton.compile(
@@ -592,6 +650,45 @@ def test_v3_plans_compile_to_wgmma_for_sm90(case):
     assert set(re.findall(r"\bwgmma\.mma_async\S+", ptx)) == {
         f"wgmma.mma_async.sync.aligned.m64n{per_group}k16.f32.bf16.bf16"}
     assert ("%ctaid.z" in ptx) == (plan.partials > 1)  # a serial walk has no split axis
+    assert _spill_bytes(compiled.asm["cubin"]) in (None, 0)
+
+
+def _sm90_int8_cases():
+    """(id, M, N, K): one per distinct kernel configuration the default ("mixed") family gives
+    the DSpark-8B drafter's GEMMs with int8 weights."""
+    try:
+        from jspec.kernels.linear_triton import make_plan
+    except Exception:  # noqa: BLE001 - no triton: the tests skip
+        return [("no_triton", 1, 16, 16)]
+    cases = {}
+    for (N, K), M in itertools.product(DRAFTER_8B.values(), DRAFTER_ROWS):
+        p = make_plan(M, N, K, mma="mixed")
+        key = (f"{p.mma}_bm{p.block_m}_dm{p.dot_m}_bn{p.block_n}_w{p.num_warps}_s{p.num_stages}"
+               f"_sk{p.split_k}" + ("_serial" if p.split_serial else ""))
+        cases.setdefault(key, (M, N, K))
+    return sorted((k, *v) for k, v in cases.items())
+
+
+@pytest.mark.parametrize("case", _sm90_int8_cases(), ids=lambda c: c[0])
+def test_int8_weight_plans_compile_for_sm90(case):
+    """With int8 weights every plan the drafter's shapes take compiles for the H200 to the same
+    bf16 MMA as with bf16 weights (mma.sync up to 32 rows, wgmma above), within shared memory
+    and without spills: the int8 tiles are widened in registers, not by another instruction."""
+    if not _triton_available():
+        pytest.skip("triton not installed")
+    from jspec.kernels.linear_triton import make_plan
+    _, M, N, K = case
+    plan = make_plan(M, N, K, mma="mixed")
+    compiled = _compile_sm90(plan.constexprs(), plan.num_warps, plan.num_stages, w_dtype="i8")
+    assert compiled.metadata.shared <= 227 * 1024
+    ptx = compiled.asm["ptx"]
+    if plan.mma == "v2":
+        assert set(re.findall(r"\bmma\.\S+", ptx)) == {
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"} and "wgmma" not in ptx
+    else:
+        assert "mma.sync" not in ptx
+        wgmmas = re.findall(r"\bwgmma\.mma_async\S+", ptx)
+        assert wgmmas and all(m.endswith(".f32.bf16.bf16") for m in wgmmas)
     assert _spill_bytes(compiled.asm["cubin"]) in (None, 0)
 
 

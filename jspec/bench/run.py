@@ -126,6 +126,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "model dtype); jspec/draft_weights.py. int8 GEMMs win at few rows and lose at "
                    "busy's 256 drafter rows on the H100 (docs/benchmarks.md); acceptance may "
                    "change, the output distribution does not")
+    p.add_argument("--draft-linear", metavar="triton | solo=triton,team=triton",
+                   help="the drafter's matmuls on jspec's linear kernel (GPU; it reads int8 "
+                   "weights itself) instead of XLA's GEMMs, for every workload or per workload "
+                   "(one not named, or 'xla': XLA's); EngineConfig.draft_linear. Speed only: "
+                   "the output distribution does not change")
     p.add_argument("--draft-vocab", type=int, metavar="N", help="the drafter proposes only the N "
                    "most frequent token ids, ranked in DRAFT/draft_vocab.json (jspec/draft_vocab.py;"
                    " acceptance may change, the output distribution does not)")
@@ -176,6 +181,8 @@ def command_line(args) -> str:
         words += ["--draft-kv-dtype", args.draft_kv_dtype]
     if getattr(args, "draft_weight_dtype", None):
         words += ["--draft-weight-dtype", args.draft_weight_dtype]
+    if getattr(args, "draft_linear", None):
+        words += ["--draft-linear", args.draft_linear]
     if getattr(args, "draft_vocab", None):
         words += ["--draft-vocab", str(args.draft_vocab)]
     if getattr(args, "lookahead_admission", False):
@@ -200,6 +207,7 @@ def cmd_bench(args) -> int:
     # Refused before any model loads.
     parse_per_workload_choice(getattr(args, "draft_weight_dtype", None), "--draft-weight-dtype",
                               ("int8",))
+    draft_linear_choice(args)
     from jspec.standin import resolve_drafter, resolve_model
     args.given = (args.model, args.draft)
     args.model, args.draft = str(resolve_model(args.model)), str(resolve_drafter(args.draft))
@@ -262,6 +270,13 @@ def parse_per_workload_choice(value: str | None, flag: str, choices: tuple[str, 
                              f"{', '.join(choices + ('none',))}")
         out[name] = None if v == "none" else v
     return out
+
+
+def draft_linear_choice(args) -> dict[str, str]:
+    """--draft-linear -> the drafter's matmul route per workload ("xla" where not named)."""
+    chosen = parse_per_workload_choice(getattr(args, "draft_linear", None), "--draft-linear",
+                                       ("xla", "triton"))
+    return {name: v or "xla" for name, v in chosen.items()}
 
 
 def parse_num_draft(value: str | int | None, block_size: int) -> dict[str, int]:
@@ -418,6 +433,7 @@ class Bench:
                     "draft_kv_dtype": args.draft_kv_dtype,
                     "draft_weight_dtype": canonical_per_workload(
                         getattr(args, "draft_weight_dtype", None)),
+                    "draft_linear": canonical_per_workload(getattr(args, "draft_linear", None)),
                     "draft_vocab": getattr(args, "draft_vocab", None),
                     "lookahead_admission": getattr(args, "lookahead_admission", False)}
         self.git = {"commit": commit, "dirty": dirty}
@@ -556,6 +572,7 @@ class Bench:
         self.num_draft = parse_num_draft(self.args.num_draft_tokens, self.dcfg.block_size)
         self.draft_weight_dtype = parse_per_workload_choice(
             getattr(self.args, "draft_weight_dtype", None), "--draft-weight-dtype", ("int8",))
+        self.draft_linear = draft_linear_choice(self.args)
         self.verify_threshold = parse_per_workload(getattr(self.args, "verify_threshold", None),
                                                    "--verify-threshold", float, 0.0, (0.0, 1.0))
         if any(self.verify_threshold.values()):  # refuse a DFlash drafter before any workload
@@ -595,6 +612,7 @@ class Bench:
                 EngineConfig(decode_steps=a.spec_decode_steps,
                              verify_threshold=self.verify_threshold[spec.name],
                              draft_weight_dtype=self.draft_weight_dtype[spec.name],
+                             draft_linear=self.draft_linear[spec.name],
                              verify_rule=verify_rule(a), **base))
 
     def warm(self, engine, spec, prompts, name) -> float:
@@ -731,7 +749,8 @@ class Bench:
                        "prefill_chunk": ecfg_stock.prefill_chunk, "attn_impl": ecfg_stock.attn_impl,
                        "decode_steps": {"stock": ecfg_stock.decode_steps, "spec": ecfg_spec.decode_steps},
                        "num_draft_tokens": num_draft, "step_width": spec_eng.ecfg.step_width,
-                       "draft_weight_dtype": spec_eng.ecfg.draft_weight_dtype},
+                       "draft_weight_dtype": spec_eng.ecfg.draft_weight_dtype,
+                       "draft_linear": spec_eng.ecfg.draft_linear},
             "prompt_tokens": {"mean": sum(map(len, prompts)) / len(prompts),
                               "min": min(map(len, prompts)), "max": max(map(len, prompts))},
             "passes": [{"engine": r.engine, "index": r.index, "wall_s": r.wall_s, "tokens": r.tokens,
