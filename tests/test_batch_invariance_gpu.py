@@ -235,18 +235,27 @@ def test_batch_invariant_engine_verify_equals_decode(shape, invariant_prefill):
                          ids=["gate_up", "down", "markov_w2"])
 def test_linear_triton_int8_weights_widen_exactly(N, K, M):
     """The drafter's int8 weights (EngineConfig.draft_linear "triton"): the kernel on the int8
-    values has the bits of the kernel on the same values widened to bf16 beforehand (the
-    in-register widening is exact), at the drafter's row counts, and project() through the
-    route agrees with XLA's int8 route."""
+    values matches the kernel on the same values widened to bf16 beforehand (the widening is
+    exact), at the drafter's row counts, and project() through the route agrees with XLA's int8
+    route. Bit for bit only in the wgmma (v3) plans: on the H100 (2026-12-07, JSPEC_LINEAR_MMA=
+    mixed) the mma.sync (v2) plans at 7 rows differed in the last fp32 bits (at most 1.5e-6 of
+    the value), most likely because Triton lays an upcast 8-bit operand out with another kWidth
+    and so sums the k products in another order. The drafter needs no bit-exactness (it only
+    proposes), so v2 plans are held to fp32 reassociation error."""
     from jspec.draft_weights import quantize_int8
-    from jspec.kernels.linear_triton import linear_triton
+    from jspec.kernels.linear_triton import linear_triton, make_plan
     from jspec.qwen3 import project
     kx, kw = jax.random.split(jax.random.PRNGKey(N + K + M))
     q = quantize_int8(0.02 * jax.random.normal(kw, (N, K), jnp.float32), (1,))
     x = jax.random.normal(kx, (M, K), jnp.float32).astype(jnp.bfloat16)
     f = jax.jit(linear_triton)
-    np.testing.assert_array_equal(np.asarray(f(x, q.values)),
-                                  np.asarray(f(x, q.values.astype(jnp.bfloat16))))
+    got_int8 = np.asarray(f(x, q.values))
+    got_widened = np.asarray(f(x, q.values.astype(jnp.bfloat16)))
+    if make_plan(M, N, K).mma == "v3":
+        np.testing.assert_array_equal(got_int8, got_widened)
+    else:
+        np.testing.assert_allclose(got_int8, got_widened, rtol=1e-5,
+                                   atol=1e-5 * np.abs(got_widened).max())
     got = np.asarray(jax.jit(lambda x: project(x, q, "triton"))(x))
     want = np.asarray(jax.jit(lambda x: project(x, q, "xla"))(x))
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
