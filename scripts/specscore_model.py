@@ -104,7 +104,9 @@ def width_costs(sweep: dict, part: dict) -> dict[int, float]:
     """{drafts: iteration ms over the record width's} from a bench_steps sweep, at the part's
     lanes and the sweep's context nearest the part's mean prompt."""
     lanes, context = part["spec"]["lanes"], part["prompt_tokens"]["mean"]
-    rows = [r for r in sweep["spec"] if r["lanes"] == lanes]
+    route = part.get("engine", {}).get("draft_linear") or "xla"  # the bench's drafter matmuls
+    rows = [r for r in sweep["spec"] if r["lanes"] == lanes
+            and (r.get("draft_linear") or "xla") == route]  # an A/B sweep holds both routes
     if not rows:
         return {}
     near = min({r["context"] for r in rows}, key=lambda c: abs(c - context))

@@ -65,6 +65,23 @@ def test_a_width_sweep_picks_the_width_that_pays(parts):
     assert free["widths"]["solo"] == plain["widths"]["solo"] == 7
 
 
+def test_a_sweep_of_two_drafter_routes_is_read_at_the_bench_route(parts):
+    """An A/B sweep (bench_steps --draft-linear xla,triton) holds both routes' rows at each
+    width: the model must read the route the bench ran (the part's engine.draft_linear), not
+    whichever row came last."""
+    cheap = _sweep(parts, 1.0)  # 7 drafts at 3's cost on XLA
+    other = [{**r, "draft_linear": "triton", "iteration_ms": r["iteration_ms"] * (
+        10.0 if r["num_draft"] == 7 else 1.0)} for r in cheap["spec"]]  # dear on the other route
+    both = {"spec": cheap["spec"] + other}
+    for w in ("team", "busy"):
+        assert (parts[w]["engine"].get("draft_linear") or "xla") == "xla"
+        assert sm.width_costs(both, parts[w]) == sm.width_costs(cheap, parts[w]) == {3: 1.0, 7: 1.0}
+    on_triton = {w: {**parts[w], "engine": {**parts[w]["engine"], "draft_linear": "triton"}}
+                 for w in ("team", "busy")}
+    for w in ("team", "busy"):
+        assert sm.width_costs(both, on_triton[w]) == {3: 1.0, 7: 10.0}
+
+
 def test_the_iteration_cost_scales_the_decode_wait_only(parts):
     part = parts["team"]
     tau = part["verify"]["tau"]
