@@ -100,13 +100,18 @@ def workload_alphas(parts: dict, solo_tau: float) -> dict[str, float]:
             for w in WORKLOADS}
 
 
+def drafter_route(record: dict) -> str:
+    """The drafter's matmul route of a bench part's engine or a sweep row; records from before
+    EngineConfig.draft_linear existed ran XLA's."""
+    return record.get("draft_linear") or "xla"
+
+
 def width_costs(sweep: dict, part: dict) -> dict[int, float]:
     """{drafts: iteration ms over the record width's} from a bench_steps sweep, at the part's
     lanes and the sweep's context nearest the part's mean prompt."""
     lanes, context = part["spec"]["lanes"], part["prompt_tokens"]["mean"]
-    route = part.get("engine", {}).get("draft_linear") or "xla"  # the bench's drafter matmuls
-    rows = [r for r in sweep["spec"] if r["lanes"] == lanes
-            and (r.get("draft_linear") or "xla") == route]  # an A/B sweep holds both routes
+    route = drafter_route(part.get("engine", {}))  # an A/B sweep holds both routes' rows
+    rows = [r for r in sweep["spec"] if r["lanes"] == lanes and drafter_route(r) == route]
     if not rows:
         return {}
     near = min({r["context"] for r in rows}, key=lambda c: abs(c - context))

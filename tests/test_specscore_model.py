@@ -76,10 +76,8 @@ def test_a_sweep_of_two_drafter_routes_is_read_at_the_bench_route(parts):
     for w in ("team", "busy"):
         assert (parts[w]["engine"].get("draft_linear") or "xla") == "xla"
         assert sm.width_costs(both, parts[w]) == sm.width_costs(cheap, parts[w]) == {3: 1.0, 7: 1.0}
-    on_triton = {w: {**parts[w], "engine": {**parts[w]["engine"], "draft_linear": "triton"}}
-                 for w in ("team", "busy")}
-    for w in ("team", "busy"):
-        assert sm.width_costs(both, on_triton[w]) == {3: 1.0, 7: 10.0}
+        on_triton = {**parts[w], "engine": {**parts[w]["engine"], "draft_linear": "triton"}}
+        assert sm.width_costs(both, on_triton) == {3: 1.0, 7: 10.0}
 
 
 def test_the_iteration_cost_scales_the_decode_wait_only(parts):
