@@ -20,6 +20,13 @@ the first drafted position is reported beside it: the wider the target's law at 
 the ceiling.
 
   python scripts/parallel_draft_ceiling.py --prompts-dir ../shared/data/prompts --out ceiling.json
+  python scripts/parallel_draft_ceiling.py --summarize ceiling.json [--prompts N]  # an older record
+
+Per set the record gives the mean over contexts and the engine's form: the engine's tau is
+sum(tokens) / sum(steps) over prompts, which for contexts of equal reply length is the harmonic
+mean of the contexts' tau (the mean weights the contexts where S copies, tau near 8, far more than
+the engine does). `mix` combines the sets' harmonic means in a prompt mix (the 421 code prompts:
+164 HumanEval, 257 MBPP), the figure to hold beside the engine's tau on all of them.
 """
 
 from __future__ import annotations
@@ -52,17 +59,90 @@ def ideal_parallel_survival(p_x: np.ndarray, laws_along, rng: np.random.Generato
     return np.cumprod(np.minimum(1.0, p_at / q_at), axis=1)
 
 
+SET_SIZES = {"humaneval": 164, "mbpp": 257}  # the code prompt sets, issue 5's 421 prompts
+
+
+def tokens_over_steps(taus) -> float:
+    """sum(tokens) / sum(steps) of contexts that each yield the same tokens: the harmonic mean."""
+    taus = np.asarray(taus, np.float64)
+    if taus.size == 0 or (taus <= 0).any():
+        raise ValueError(f"tokens_over_steps: need positive tokens per step, got {taus.tolist()}")
+    return float(taus.size / (1.0 / taus).sum())
+
+
+def mix(per_set: dict[str, float], sizes: dict[str, int]) -> float:
+    """Tokens per step over a prompt mix: `sizes[s]` prompts at tokens per step `per_set[s]` each."""
+    missing = set(sizes) - set(per_set)
+    if missing:
+        raise ValueError(f"mix: no tokens per step for {sorted(missing)}")
+    return float(sum(sizes.values()) / sum(n / per_set[s] for s, n in sizes.items()))
+
+
+def summarize(rows: list[dict], resamples: int = 4000, seed: int = 0) -> dict:
+    """Per set: contexts, mean, tokens over steps with a bootstrap 95 % interval; and `mix_421`,
+    the sets' tokens over steps in SET_SIZES' mix, with its interval (contexts resampled per set)."""
+    rng = np.random.default_rng(seed)
+    by_set: dict[str, np.ndarray] = {}
+    for r in rows:
+        by_set.setdefault(r["set"], []).append(r["tokens_per_step"])
+    by_set = {k: np.asarray(v, np.float64) for k, v in by_set.items()}
+    draws = {k: np.array([tokens_over_steps(rng.choice(v, v.size)) for _ in range(resamples)])
+             for k, v in by_set.items()}
+    out = {"sets": {k: {"contexts": int(v.size), "mean": float(v.mean()),
+                        "tokens_over_steps": tokens_over_steps(v),
+                        "tokens_over_steps_95": np.quantile(draws[k], [0.025, 0.975]).tolist()}
+                    for k, v in by_set.items()}}
+    if set(SET_SIZES) <= set(by_set):
+        out["mix_421"] = mix({k: out["sets"][k]["tokens_over_steps"] for k in SET_SIZES}, SET_SIZES)
+        mixed = [mix({k: draws[k][i] for k in SET_SIZES}, SET_SIZES) for i in range(resamples)]
+        out["mix_421_95"] = np.quantile(mixed, [0.025, 0.975]).tolist()
+    return out
+
+
+def print_summary(summary: dict) -> None:
+    for k, v in summary["sets"].items():
+        lo, hi = v["tokens_over_steps_95"]
+        print(f"{k}: {v['contexts']} contexts, mean {v['mean']:.3f}, tokens over steps "
+              f"{v['tokens_over_steps']:.3f} [{lo:.3f}, {hi:.3f}]")
+    if "mix_421" in summary:
+        lo, hi = summary["mix_421_95"]
+        print(f"the 421 prompts' mix: {summary['mix_421']:.3f} [{lo:.3f}, {hi:.3f}] tokens per verify step")
+
+
+def summarize_record(path: str, prompts_per_set: int | None) -> dict:
+    """Add the per-set summary to a record written before rows named their set (prompt indices
+    below prompts_per_set are HumanEval's, as main orders them)."""
+    record = json.loads(Path(path).read_text())
+    n = record.get("prompts_per_set", prompts_per_set)
+    for r in record["rows"]:
+        if "set" not in r:
+            if n is None:
+                raise SystemExit(f"{path}: rows name no set; pass --prompts (prompts per set of that run)")
+            r["set"] = "humaneval" if r["prompt"] < n else "mbpp"
+    record["prompts_per_set"] = n
+    record["summary"] = summarize(record["rows"])
+    Path(path).write_text(json.dumps(record, indent=1))
+    print_summary(record["summary"])
+    return record
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="standin", help="target directory or stand-in name")
-    ap.add_argument("--prompts-dir", required=True, help="directory with humaneval.jsonl and mbpp.jsonl")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    ap.add_argument("--prompts-dir", help="directory with humaneval.jsonl and mbpp.jsonl")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per set (default 8)")
     ap.add_argument("--cuts", default="0,48,96", help="reply tokens before each context ends")
     ap.add_argument("--samples", type=int, default=32, help="continuations for q (M) and draft paths (M')")
     ap.add_argument("--block", type=int, default=7, help="drafted tokens per step")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--summarize", metavar="RECORD", help="add the per-set summary to RECORD in place")
     args = ap.parse_args(argv)
+    if args.summarize:
+        return summarize_record(args.summarize, args.prompts)
+    if not args.prompts_dir or not args.out:
+        ap.error("--prompts-dir and --out are required (or --summarize RECORD)")
+    args.prompts = 8 if args.prompts is None else args.prompts
 
     import jax
     import jax.numpy as jnp
@@ -76,8 +156,9 @@ def main(argv=None) -> dict:
 
     model_dir = check_model_dir(args.model)
     tok = Tokenizer.from_dir(model_dir)
-    texts = [r.first_turn for s in ("humaneval", "mbpp")
+    named = [(s, r.first_turn) for s in ("humaneval", "mbpp")
              for r in load_prompts(Path(args.prompts_dir) / f"{s}.jsonl", limit=args.prompts)]
+    texts = [t for _, t in named]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     cuts = sorted(int(c) for c in args.cuts.split(","))
     K, M = args.block, args.samples
@@ -119,7 +200,7 @@ def main(argv=None) -> dict:
             survive = ideal_parallel_survival(p_x, laws_along, rng)
             p0 = p_x[0, 0]
             entropy = float(-(p0[p0 > 0] * np.log(p0[p0 > 0])).sum())
-            rows.append({"prompt": i, "cut": cut, "context_tokens": len(ctx),
+            rows.append({"prompt": i, "set": named[i][0], "cut": cut, "context_tokens": len(ctx),
                          "tokens_per_step": 1.0 + float(survive.sum(1).mean()),
                          "survive_per_position": survive.mean(0).round(4).tolist(),
                          "entropy_first_position_nats": entropy})
@@ -131,12 +212,13 @@ def main(argv=None) -> dict:
               "ideal_parallel_tokens_per_step_se": float(taus.std(ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None,
               "survive_per_position_mean": np.mean([r["survive_per_position"] for r in rows], 0).round(4).tolist(),
               "entropy_first_position_mean": float(np.mean([r["entropy_first_position_nats"] for r in rows])),
-              "rows": rows}
+              "prompts_per_set": args.prompts, "summary": summarize(rows), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"ideal parallel drafter: {result['ideal_parallel_tokens_per_step_mean']:.3f} tokens per verify "
           f"step (se {result['ideal_parallel_tokens_per_step_se']}) over {len(rows)} contexts; mean entropy "
           f"at the first drafted position {result['entropy_first_position_mean']:.2f} nats")
+    print_summary(result["summary"])
     return result
 
 

@@ -73,3 +73,39 @@ def test_no_prefix_dependence_means_every_draft_survives(P_id):
     laws = chain_laws(Q, START)
     survive = mod.ideal_parallel_survival(laws(sample_chain(Q, START, 4000, rng)), laws, rng)
     assert survive.mean() > 0.97 and exact_tau(Q, START, K) == pytest.approx(K + 1)
+
+
+def test_tokens_over_steps_is_the_engines_ratio_and_the_mix_weights_prompts():
+    """Two contexts of 256 tokens each at 2 and 8 tokens a step: 512 tokens in 128 + 32 steps,
+    3.2 a step (the mean, 5.0, is not what the engine would measure); the 421 prompts' mix
+    weights MBPP's 257 prompts over HumanEval's 164."""
+    mod = load_script("parallel_draft_ceiling")
+    assert mod.tokens_over_steps([2.0, 8.0]) == pytest.approx(512 / (128 + 32))
+    assert mod.tokens_over_steps([2.0, 8.0]) != pytest.approx(5.0)
+    assert mod.mix({"humaneval": 6.0, "mbpp": 3.0}, mod.SET_SIZES) == pytest.approx(
+        421 / (164 / 6.0 + 257 / 3.0))
+    with pytest.raises(ValueError, match="mbpp"):
+        mod.mix({"humaneval": 6.0}, mod.SET_SIZES)
+    with pytest.raises(ValueError, match="positive"):
+        mod.tokens_over_steps([2.0, 0.0])
+
+
+def test_summarize_record_names_sets_from_prompt_index(tmp_path):
+    """An older record (rows without a set) is summarised in place given the prompts per set;
+    without it the script stops with an error that says what to pass."""
+    import json
+    mod = load_script("parallel_draft_ceiling")
+    rows = [{"prompt": i, "cut": c, "tokens_per_step": t}
+            for i, c, t in [(0, 16, 8.0), (0, 80, 4.0), (1, 16, 2.0), (2, 16, 2.0), (3, 16, 4.0)]]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"rows": rows}))
+    with pytest.raises(SystemExit, match="--prompts"):
+        mod.summarize_record(str(path), None)
+    record = mod.summarize_record(str(path), 2)
+    sets = record["summary"]["sets"]
+    assert sets["humaneval"]["contexts"] == 3 and sets["mbpp"]["contexts"] == 2
+    assert sets["humaneval"]["tokens_over_steps"] == pytest.approx(3 / (1 / 8 + 1 / 4 + 1 / 2))
+    assert sets["mbpp"]["mean"] == pytest.approx(3.0)
+    lo, hi = record["summary"]["mix_421_95"]
+    assert lo <= record["summary"]["mix_421"] <= hi
+    assert json.loads(path.read_text())["summary"] == record["summary"]
