@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,7 +122,9 @@ def summarize_record(path: str, prompts_per_set: int | None) -> dict:
             r["set"] = "humaneval" if r["prompt"] < n else "mbpp"
     record["prompts_per_set"] = n
     record["summary"] = summarize(record["rows"])
-    Path(path).write_text(json.dumps(record, indent=1))
+    tmp = Path(path).with_suffix(".tmp")  # written whole, then swapped in: the record is never half
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
     print_summary(record["summary"])
     return record
 
